@@ -1,0 +1,7 @@
+"""moe_torch: MoE expert backends for PyTorch on the shared moe_shared contract."""
+
+from .api import ExpertsInterface, available_backends, experts_forward
+from .modules import Experts, decode_mode, get_experts_implementation, set_experts_implementation
+
+__all__ = ["ExpertsInterface", "available_backends", "experts_forward", "Experts", "decode_mode",
+           "get_experts_implementation", "set_experts_implementation"]

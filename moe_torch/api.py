@@ -1,0 +1,104 @@
+"""The public function and the backend registry of moe_torch."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+from moe_shared import check_arguments, check_expert_ids
+from moe_shared.registry import BackendRegistry
+
+from . import backends
+from .base import device_class, dtype_name, info
+
+ExpertsInterface = BackendRegistry("torch")
+for _module in backends.ALL:
+    ExpertsInterface.register(_module.NAME, _module.experts_forward)
+
+_TENSOR_ARGS = ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias",
+                "down_bias")
+
+
+def check_requirements(implementation: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise if the backend cannot run here: ImportError names the pip extra, RuntimeError the hardware."""
+    support = ExpertsInterface.capability(implementation)
+    if support is None:  # a user backend without a declared capability
+        return
+    for package, extra in support.requires.packages.items():
+        if importlib.util.find_spec(package) is None:
+            raise ImportError(f"implementation {implementation!r} needs the package {package!r}: "
+                              f"pip install 'moe-experts[{extra}]'")
+    where = device_class(device)
+    if where not in support.devices:
+        raise RuntimeError(f"implementation {implementation!r} runs on {list(support.devices)}, "
+                           f"got a tensor on {device}")
+    cc = support.requires.compute_capability
+    if cc is not None and where == "cuda" and torch.cuda.get_device_capability(device) < cc:
+        raise RuntimeError(f"implementation {implementation!r} needs CUDA compute capability >= {cc[0]}.{cc[1]}, "
+                           f"got {'.'.join(map(str, torch.cuda.get_device_capability(device)))} on {device}")
+    if dtype_name(dtype) not in support.dtypes:
+        raise ValueError(f"gate_up_proj: implementation {implementation!r} supports dtypes {list(support.dtypes)}, "
+                         f"got dtype {dtype_name(dtype)}")
+
+
+def experts_forward(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    implementation: str = "grouped_mm",
+    activation: str | Callable[[torch.Tensor], torch.Tensor] = "silu",
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Routed gated-MLP experts: ``out[t] = sum_j w[t,j] * (down[e] @ (act(g) * u) + b2[e])``.
+
+    Shapes: hidden_states [T, H]; top_k_index [T, k] (int32/int64, -1 = empty slot); top_k_weights [T, k];
+    gate_up_proj [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up); down_proj [E, H, I]; gate_up_bias [E, 2I];
+    down_bias [E, H]. Returns [T, H] in hidden_states' dtype; the matmuls run in the weights' dtype.
+
+    ``implementation`` names a registered backend (``ExpertsInterface``); it never falls back to another.
+    ``activation`` is "silu", "gelu" (erf) or "relu" applied as ``act(g) * u``, or a callable mapping the first
+    projection [S, N] to [S, I] (then gate_up_proj is [E, N, H]). ``validate`` checks expert ids (a host sync);
+    by default on for CPU tensors outside torch.compile, off elsewhere. Unchecked out-of-range ids count as empty.
+    """
+    fn = ExpertsInterface[implementation]
+    tensors = dict(zip(_TENSOR_ARGS, (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                      gate_up_bias, down_bias)))
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    dims = check_arguments(*(info(t) for t in tensors.values()), activation=activation)
+    for name, t in tensors.items():
+        if t is not None and t.device != hidden_states.device:
+            raise ValueError(f"{name}: expected a tensor on {hidden_states.device} (the device of hidden_states), "
+                             f"got one on {t.device}")
+    check_requirements(implementation, gate_up_proj.device, gate_up_proj.dtype)
+    if validate is None:
+        validate = hidden_states.device.type == "cpu" and not torch.compiler.is_compiling()
+    if validate and dims.slots:
+        lowest, highest = torch.aminmax(top_k_index)
+        check_expert_ids(int(lowest), int(highest), dims.E)
+    return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+              activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
+
+
+def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:
+    """Every registered backend -> None if it can run on ``device``, else the reason it cannot."""
+    device = torch.device(device)
+    reasons = {}
+    for name in ExpertsInterface:
+        support = ExpertsInterface.capability(name)
+        dtype = torch.bfloat16 if support is None or "bfloat16" in support.dtypes else torch.float32
+        try:
+            check_requirements(name, device, dtype)
+            reasons[name] = None
+        except (ImportError, RuntimeError, ValueError) as err:
+            reasons[name] = str(err)
+    return reasons
+

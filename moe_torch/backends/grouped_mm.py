@@ -1,0 +1,122 @@
+"""grouped_mm: sort the slots by expert, one grouped matmul per projection over per-expert offsets.
+
+The grouped matmul is ``torch.nn.functional.grouped_mm`` where it supports the dtype, device and strides, else the
+``moe_torch::grouped_mm_loop`` custom op (a per-expert loop, opaque to torch.compile). Both are exact per-expert
+matmuls; the combine is a gather back to slot order and a sum over k (no atomics on any device).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..base import Slots, combine, gate
+
+NAME = "grouped_mm"
+NATIVE_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+_COMPILED_NATIVE_DTYPES = (torch.bfloat16,)  # what inductor lowers grouped_mm for
+_ALIGN = 16  # bytes: grouped_mm needs 16-byte aligned strides and base pointers
+
+
+def _aligned(t: torch.Tensor, *dims: int) -> bool:
+    size = t.element_size()
+    # storage offsets cannot be read while tracing; compiled graphs see the parameters' own (aligned) storage
+    offset_ok = torch.compiler.is_compiling() or (t.storage_offset() * size) % _ALIGN == 0
+    return offset_ok and all((t.stride(d) * size) % _ALIGN == 0 for d in dims)
+
+
+def native_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether F.grouped_mm takes ``a`` [S, K] and ``w.transpose(1, 2)`` for w [E, N, K] as they are."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    allowed = _COMPILED_NATIVE_DTYPES if torch.compiler.is_compiling() else NATIVE_DTYPES.get(a.device.type, ())
+    if a.dtype not in allowed or w.dtype != a.dtype:
+        return False
+    b = w.transpose(1, 2)
+    if not (a.stride(-1) == 1 and _aligned(a, 0)):
+        return False
+    column_major = b.stride(-2) == 1 and _aligned(b, 0, -1)
+    row_major = b.stride(-1) == 1 and _aligned(b, 0, -2)
+    return column_major or row_major
+
+
+@torch.library.custom_op("moe_torch::grouped_mm_loop", mutates_args=())
+def grouped_mm_loop(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ w[e].T for the row ranges ending at offs; rows past offs[-1] are zero."""
+    out = a.new_zeros(a.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):  # one host sync for the whole loop
+        if end > start:
+            torch.mm(a[start:end], w[e].T, out=out[start:end])
+        start = end
+    return out
+
+
+@grouped_mm_loop.register_fake
+def _(a, w, offs):
+    return a.new_empty(a.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("moe_torch::grouped_mm_loop_backward", mutates_args=())
+def grouped_mm_loop_backward(grad: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
+                             offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_a = torch.zeros_like(a)
+    grad_w = torch.zeros_like(w)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(grad[start:end], w[e], out=grad_a[start:end])
+            grad_w[e] = grad[start:end].T @ a[start:end]
+        start = end
+    return grad_a, grad_w
+
+
+@grouped_mm_loop_backward.register_fake
+def _(grad, a, w, offs):
+    return torch.empty_like(a), torch.empty_like(w)
+
+
+def _loop_setup(ctx, inputs, output):
+    a, w, offs = inputs
+    ctx.save_for_backward(a, w, offs)
+
+
+def _loop_backward(ctx, grad):
+    a, w, offs = ctx.saved_tensors
+    grad_a, grad_w = grouped_mm_loop_backward(grad.contiguous(), a, w, offs)
+    return grad_a, grad_w, None
+
+
+grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)
+
+
+def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[S, K] x [E, N, K] -> [S, N], rows grouped by expert at the int32 end offsets ``offs``."""
+    if native_supported(a, w):
+        return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
+    return grouped_mm_loop(a.contiguous(), w, offs)
+
+
+def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
+                    activation="silu", gate_up_bias=None, down_bias=None):
+    E, H, I = down_proj.shape
+    slots = Slots(top_k_index, E)
+    sorted_ids, order = torch.sort(torch.where(slots.valid, slots.ids, E), stable=True)
+    experts = torch.arange(1, E + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # end of each expert's rows
+    live = (sorted_ids < E)[:, None]
+    safe_ids = sorted_ids.clamp(max=E - 1)
+
+    # Rows past offs[-1] (empty slots) are never written by the grouped matmul: masks keep them, and their
+    # gradients, out of every result.
+    x = torch.where(live, hidden_states.to(gate_up_proj.dtype)[order // slots.k], 0)
+    h = grouped_linear(x, gate_up_proj, offs)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[safe_ids]
+    a = gate(activation, torch.where(live, h, 0), I)
+    y = grouped_linear(a.contiguous(), down_proj, offs)
+    if down_bias is not None:
+        y = y + down_bias[safe_ids]
+    y = torch.where(live, y, 0)
+    restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return combine(y[restore], slots, top_k_weights, hidden_states.dtype)

@@ -1,0 +1,1 @@
+"""Integrations of moe_torch backends into other libraries."""

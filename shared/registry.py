@@ -1,0 +1,56 @@
+"""A backend registry: a read-only mapping from backend name to function, with ``register`` to add one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from .spec import FrameworkSupport, load_spec
+
+
+class UnknownBackendError(ValueError, KeyError):
+    """Raised for a name that is not registered (a ValueError; a KeyError so that ``in`` works)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class BackendRegistry(Mapping[str, Callable]):
+    def __init__(self, framework: str):
+        self.framework = framework
+        self._functions: dict[str, Callable] = {}
+        self._capabilities: dict[str, FrameworkSupport | None] = {}
+
+    def register(self, name: str, fn: Callable, *, capability: FrameworkSupport | None = None) -> None:
+        """Add (or replace) a backend that follows the common experts_forward signature."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name: expected a non-empty string, got {name!r}")
+        if not callable(fn):
+            raise ValueError(f"fn: expected a callable with the experts_forward signature, got {type(fn).__name__}")
+        declared = load_spec().backends
+        if capability is None and name in declared:
+            capability = declared[name].frameworks.get(self.framework)
+        self._functions[name] = fn
+        self._capabilities[name] = capability
+
+    def capability(self, name: str) -> FrameworkSupport | None:
+        """The declared capability of a backend: the spec's entry, or None for an undeclared user backend."""
+        self[name]
+        return self._capabilities[name]
+
+    def __getitem__(self, name: str) -> Callable:
+        try:
+            return self._functions[name]
+        except (KeyError, TypeError):
+            raise UnknownBackendError(
+                f"implementation: expected one of the registered {self.framework} backends {sorted(self._functions)}, "
+                f"got {name!r}"
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._functions)
+
+    def __len__(self) -> int:
+        return len(self._functions)
+
+    def __repr__(self) -> str:
+        return f"BackendRegistry({self.framework!r}, {sorted(self._functions)})"

@@ -1,0 +1,129 @@
+"""The backend spec (``spec.toml``) as read-only Python objects."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+SPEC_PATH = Path(__file__).with_name("spec.toml")
+DEVICE_CLASSES = ("cpu", "cuda", "tpu")
+FRAMEWORKS = ("torch", "jax")
+
+
+@dataclass(frozen=True)
+class CompileSupport:
+    """Which torch.compile settings a backend is verified with."""
+
+    fullgraph: bool
+    modes: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Requirements:
+    packages: Mapping[str, str] = field(default_factory=dict)  # import name -> pip extra
+    compute_capability: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class FrameworkSupport:
+    framework: str
+    devices: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    quantized: tuple[str, ...]
+    requires: Requirements
+    compile: CompileSupport | None = None  # torch only
+    jit: bool | None = None  # jax only
+    details: Mapping[str, Any] = field(default_factory=dict)  # backend-specific data (kernels, ...)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    description: str
+    data_dependent: bool
+    frameworks: Mapping[str, FrameworkSupport]
+
+    def support(self, framework: str) -> FrameworkSupport:
+        try:
+            return self.frameworks[framework]
+        except KeyError:
+            raise ValueError(
+                f"backend {self.name!r} is not declared for framework {framework!r}; "
+                f"it is declared for {sorted(self.frameworks)}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Spec:
+    activations: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    index_dtypes: tuple[str, ...]
+    empty_slot: int
+    tolerance: Mapping[str, float]
+    decode_max_slots: Mapping[str, Mapping[str, int]]
+    backends: Mapping[str, BackendSpec]
+
+    def backend_names(self, framework: str) -> tuple[str, ...]:
+        return tuple(n for n, b in self.backends.items() if framework in b.frameworks)
+
+    def tolerance_for(self, dtype: str) -> float:
+        try:
+            return self.tolerance[dtype]
+        except KeyError:
+            raise ValueError(f"no tolerance for dtype {dtype!r}; the spec has {sorted(self.tolerance)}") from None
+
+    def decode_threshold(self, framework: str, device_class: str) -> int:
+        """Largest T*k at which batched_mm beats grouped_mm for ``framework`` on ``device_class``."""
+        return int(self.decode_max_slots.get(framework, {}).get(device_class, 0))
+
+
+_KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit"}
+
+
+def _support(framework: str, raw: Mapping[str, Any]) -> FrameworkSupport:
+    req = raw.get("requires", {})
+    cc = req.get("compute_capability")
+    comp = raw.get("compile")
+    return FrameworkSupport(
+        framework=framework,
+        devices=tuple(raw["devices"]),
+        dtypes=tuple(raw["dtypes"]),
+        quantized=tuple(raw.get("quantized", ())),
+        requires=Requirements(
+            packages=MappingProxyType(dict(req.get("packages", {}))),
+            compute_capability=tuple(cc) if cc is not None else None,
+        ),
+        compile=CompileSupport(bool(comp["fullgraph"]), tuple(comp["modes"]), tuple(comp["dtypes"])) if comp else None,
+        jit=raw.get("jit"),
+        details=MappingProxyType({k: v for k, v in raw.items() if k not in _KNOWN_SUPPORT_KEYS}),
+    )
+
+
+def parse_spec(raw: Mapping[str, Any]) -> Spec:
+    contract = raw["contract"]
+    backends = {}
+    for name, b in raw["backends"].items():
+        frameworks = {fw: _support(fw, b[fw]) for fw in FRAMEWORKS if fw in b}
+        backends[name] = BackendSpec(name, b["description"], bool(b.get("data_dependent", False)),
+                                     MappingProxyType(frameworks))
+    decode = raw.get("decode", {}).get("max_slots", {})
+    return Spec(
+        activations=tuple(contract["activations"]),
+        dtypes=tuple(contract["dtypes"]),
+        index_dtypes=tuple(contract["index_dtypes"]),
+        empty_slot=int(contract["empty_slot"]),
+        tolerance=MappingProxyType({k: float(v) for k, v in raw["tolerance"].items()}),
+        decode_max_slots=MappingProxyType({fw: MappingProxyType(dict(v)) for fw, v in decode.items()}),
+        backends=MappingProxyType(backends),
+    )
+
+
+@cache
+def load_spec() -> Spec:
+    with SPEC_PATH.open("rb") as f:
+        return parse_spec(tomllib.load(f))
