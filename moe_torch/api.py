@@ -84,6 +84,9 @@ def experts_forward(
     if validate and dims.slots:
         lowest, highest = torch.aminmax(top_k_index)
         check_expert_ids(int(lowest), int(highest), dims.E)
+    # Per-token inputs are small: made contiguous, strided ones give bit-identical results. Weights are used in
+    # place (no per-call copy); strided weights agree with contiguous ones to rounding.
+    hidden_states, top_k_index, top_k_weights = (t.contiguous() for t in (hidden_states, top_k_index, top_k_weights))
     return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
               activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
 

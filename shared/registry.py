@@ -32,6 +32,11 @@ class BackendRegistry(Mapping[str, Callable]):
         self._functions[name] = fn
         self._capabilities[name] = capability
 
+    def unregister(self, name: str) -> None:
+        """Remove a backend added with ``register``."""
+        self[name]
+        del self._functions[name], self._capabilities[name]
+
     def capability(self, name: str) -> FrameworkSupport | None:
         """The declared capability of a backend: the spec's entry, or None for an undeclared user backend."""
         self[name]

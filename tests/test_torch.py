@@ -1,0 +1,377 @@
+"""moe_torch: every backend against every shared vector, the registry, bad inputs, switching, compile."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import moe_torch
+from moe_shared.registry import UnknownBackendError
+from moe_shared.spec import FrameworkSupport, Requirements
+from moe_torch import Experts, ExpertsInterface, decode_mode, experts_forward
+from moe_torch import get_experts_implementation, set_experts_implementation
+from moe_torch.backends import grouped_mm as grouped_mm_backend
+from moe_shared import relative_l2
+from support import CASES, DIFF_ARGS, SPEC, assert_close, case_id, random_case
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = [name for name in SPEC.backend_names("torch")]
+
+
+def to_torch(arrays: dict, dtype: str, requires_grad=False) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, a in arrays.items():
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if name != "top_k_index":
+            t = t.to(DTYPES[dtype]).requires_grad_(requires_grad)
+        out[name] = t
+    return out
+
+
+def run(tensors, backend, activation="silu", grad_output=None, **kw):
+    out = experts_forward(**tensors, implementation=backend, activation=activation, **kw)
+    grads = {}
+    if grad_output is not None:
+        out.backward(grad_output)
+        grads = {n: (t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in tensors.items()
+                 if n in DIFF_ARGS}
+    return out, grads
+
+
+def test_registry_holds_the_spec_backends():
+    assert set(BACKENDS) <= set(ExpertsInterface)
+    assert all(ExpertsInterface.capability(n) is SPEC.backends[n].support("torch") for n in BACKENDS)
+    assert isinstance(ExpertsInterface["grouped_mm"], type(lambda: 0))
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vectors_forward_and_gradients(backend, case):
+    tensors = to_torch(case.inputs, case.dtype, requires_grad=True)
+    dy = to_torch({"g": case.grad_output}, case.dtype)["g"]
+    out, grads = run(tensors, backend, case.activation, grad_output=dy)
+    assert out.dtype == DTYPES[case.dtype] and out.shape == (case.T, case.H)
+    assert_close("out", out.detach().float(), case.expected["out"], case.dtype)
+    for name, g in grads.items():
+        assert_close(f"grad_{name}", g.float(), case.expected[f"grad_{name}"], case.dtype)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """Same values, other strides: a view into a larger buffer with a step of 2 on every axis and transposed
+    storage order."""
+    big = torch.zeros(tuple(2 * s + 1 for s in t.shape), dtype=t.dtype)
+    view = big[tuple(slice(1, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    assert not view.is_contiguous()
+    return view
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_strided_inputs_match_contiguous(backend, dtype):
+    arrays, dy = random_case(1, T=9, H=16, I=8, E=4, k=2, bias=True, empty_fraction=0.2)
+    plain = to_torch(arrays, dtype)
+    strided = {n: _strided(t) for n, t in plain.items()}
+    transposed = {n: (t.mT.contiguous().mT if t.dim() >= 2 else t) for n, t in plain.items()}
+    expected = experts_forward(**plain, implementation=backend)
+    per_token = ("hidden_states", "top_k_index", "top_k_weights")
+    for variant in (strided, transposed):
+        only_tokens = plain | {n: variant[n] for n in per_token}
+        torch.testing.assert_close(experts_forward(**only_tokens, implementation=backend), expected, rtol=0, atol=0)
+        err = relative_l2(experts_forward(**variant, implementation=backend).float(), expected.float())
+        assert err <= (1e-6 if dtype == "float32" else SPEC.tolerance_for(dtype) / 4), err
+
+
+# --- bad inputs ------------------------------------------------------------------------------------------------
+
+def _good(dtype="float32"):
+    arrays, _ = random_case(2, T=4, H=8, I=4, E=3, k=2, bias=True)
+    return to_torch(arrays, dtype)
+
+
+@pytest.mark.parametrize("arg, make_bad, pattern", [
+    ("hidden_states", lambda t: t[None], r"hidden_states: expected a 2-D array \[T, H\], got shape \(1, 4, 8\)"),
+    ("hidden_states", lambda t: t.double(), r"hidden_states: expected dtype in .* got dtype float64"),
+    ("top_k_index", lambda t: t.float(), r"top_k_index: expected dtype in \['int32', 'int64'\], got dtype float32"),
+    ("top_k_index", lambda t: t[:3], r"top_k_index: expected shape \[T, k\] = \(4, \?\), got shape \(3, 2\)"),
+    ("top_k_weights", lambda t: t[:, :1], r"top_k_weights: expected shape \[T, k\] = \(4, 2\), got shape \(4, 1\)"),
+    ("gate_up_proj", lambda t: t[:, :7], r"gate_up_proj: expected shape \[E, 2I, H\] = \(3, 8, 8\)"),
+    ("down_proj", lambda t: t[:2], r"down_proj: expected shape \[E, H, I\] = \(3, 8, \?\), got shape \(2, 8, 4\)"),
+    ("down_proj", lambda t: t.half(), r"down_proj: expected the dtype of gate_up_proj \(float32\), got dtype float16"),
+    ("gate_up_bias", lambda t: t[:, :5], r"gate_up_bias: expected shape \[E, 2I\] = \(3, 8\), got shape \(3, 5\)"),
+    ("down_bias", lambda t: t.bfloat16(), r"down_bias: expected the dtype of the weights \(float32\)"),
+    ("hidden_states", lambda t: t.numpy(), r"hidden_states: expected a torch.Tensor, got ndarray"),
+    ("top_k_weights", lambda t: t.to("meta"), r"top_k_weights: expected a tensor on cpu .*got one on meta"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs_name_the_argument(backend, arg, make_bad, pattern):
+    tensors = _good()
+    tensors[arg] = make_bad(tensors[arg])
+    with pytest.raises(ValueError, match=pattern):
+        experts_forward(**tensors, implementation=backend)
+
+
+@pytest.mark.parametrize("bad_id", [3, 7, -2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_ids(backend, bad_id):
+    tensors = _good()
+    tensors["top_k_index"][1, 0] = bad_id
+    with pytest.raises(ValueError, match=r"top_k_index: expected expert ids in \[-1, 3\)"):
+        experts_forward(**tensors, implementation=backend)
+    # unchecked (as on accelerators): the slot is empty, and nothing reads out of bounds
+    out = experts_forward(**tensors, implementation=backend, validate=False)
+    tensors["top_k_index"][1, 0] = -1
+    torch.testing.assert_close(out, experts_forward(**tensors, implementation=backend), rtol=0, atol=0)
+
+
+def test_unknown_backend_lists_registered_names():
+    with pytest.raises(ValueError, match=r"implementation: expected one of the registered torch backends "
+                                         r"\['batched_mm', 'eager', 'grouped_mm'.*got 'fast'"):
+        experts_forward(**_good(), implementation="fast")
+    with pytest.raises(UnknownBackendError):
+        Experts(2, 4, 2, experts_implementation="fast")
+    assert "fast" not in ExpertsInterface
+
+
+def test_unknown_activation():
+    with pytest.raises(ValueError, match=r"activation: expected one of \['silu', 'gelu', 'relu'\]"):
+        experts_forward(**_good(), activation="tanh")
+
+
+def test_requirements_are_errors_not_fallbacks():
+    calls = []
+    fn = lambda *a, **kw: calls.append(1)
+    missing_pkg = FrameworkSupport("torch", ("cpu",), ("float32",), (),
+                                   Requirements(packages={"surely_not_installed_pkg": "gpu-kernels"}))
+    gpu_only = dataclasses.replace(missing_pkg, devices=("cuda",), requires=Requirements())
+    fp32_only = dataclasses.replace(missing_pkg, requires=Requirements())
+    try:
+        ExpertsInterface.register("needs_pkg", fn, capability=missing_pkg)
+        ExpertsInterface.register("needs_gpu", fn, capability=gpu_only)
+        ExpertsInterface.register("fp32_only", fn, capability=fp32_only)
+        with pytest.raises(ImportError, match=r"pip install 'moe-experts\[gpu-kernels\]'"):
+            experts_forward(**_good(), implementation="needs_pkg")
+        with pytest.raises(RuntimeError, match=r"implementation 'needs_gpu' runs on \['cuda'\], got a tensor on cpu"):
+            experts_forward(**_good(), implementation="needs_gpu")
+        with pytest.raises(ValueError, match=r"gate_up_proj: implementation 'fp32_only' supports dtypes "
+                                             r"\['float32'\], got dtype bfloat16"):
+            experts_forward(**_good("bfloat16"), implementation="fp32_only")
+        assert not calls
+        reasons = moe_torch.available_backends("cpu")
+        assert reasons["grouped_mm"] is None and "surely_not_installed_pkg" in reasons["needs_pkg"]
+    finally:
+        for name in ("needs_pkg", "needs_gpu", "fp32_only"):
+            ExpertsInterface.unregister(name)
+
+
+def test_registered_backend_is_dispatched():
+    seen = []
+
+    def mine(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation, gate_up_bias,
+             down_bias):
+        seen.append(activation)
+        return torch.full_like(hidden_states, 3.0)
+
+    ExpertsInterface.register("mine", mine)
+    try:
+        out = experts_forward(**_good(), implementation="mine", activation="relu")
+        assert seen == ["relu"] and torch.all(out == 3.0)
+        model = Experts(3, 8, 4, experts_implementation="mine")
+        assert torch.all(model(*(_good()[n] for n in ("hidden_states", "top_k_index", "top_k_weights"))) == 3.0)
+    finally:
+        ExpertsInterface.unregister("mine")
+    with pytest.raises(ValueError, match="fn: expected a callable"):
+        ExpertsInterface.register("x", 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_gate_callable(backend):
+    arrays, _ = random_case(3, T=6, H=8, I=4, E=3, k=2, bias=True)
+    tensors = to_torch(arrays, "float32")
+    tensors["gate_up_proj"] = tensors["gate_up_proj"][:, :4]  # no gate: an up projection only, N = I
+    tensors["gate_up_bias"] = tensors["gate_up_bias"][:, :4]
+    out = experts_forward(**tensors, implementation=backend, activation=torch.tanh)
+    x, idx, w = tensors["hidden_states"], tensors["top_k_index"], tensors["top_k_weights"]
+    expected = torch.zeros_like(x)
+    for t in range(6):
+        for j in range(2):
+            e = idx[t, j]
+            u = torch.tanh(tensors["gate_up_proj"][e] @ x[t] + tensors["gate_up_bias"][e])
+            expected[t] += w[t, j] * (tensors["down_proj"][e] @ u + tensors["down_bias"][e])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- which kernel ran -----------------------------------------------------------------------------------------
+
+def _ops_run(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_grouped_mm_uses_the_native_kernel_when_aligned(dtype):
+    tensors = to_torch(random_case(4, T=16, H=32, I=16, E=4, k=2, bias=False)[0], dtype)
+    ops = _ops_run(lambda: experts_forward(**tensors, implementation="grouped_mm"))
+    assert "aten::_grouped_mm" in ops and "moe_torch::grouped_mm_loop" not in ops
+
+
+def test_grouped_mm_falls_back_to_the_loop_op_when_unaligned():
+    tensors = to_torch(random_case(4, T=16, H=18, I=10, E=4, k=2, bias=False)[0], "bfloat16")
+    ops = _ops_run(lambda: experts_forward(**tensors, implementation="grouped_mm"))
+    assert "moe_torch::grouped_mm_loop" in ops and "aten::_grouped_mm" not in ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K, N", [(16, 8), (18, 10), (32, 24), (8, 12), (20, 12)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_native_predicate_agrees_with_the_op(dtype, K, N, layout):
+    a = torch.randn(10, K, dtype=dtype)
+    w = torch.randn(3, N, K, dtype=dtype) if layout == "contiguous" else torch.randn(3, K, N, dtype=dtype).mT
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)
+    loop = grouped_mm_backend.grouped_mm_loop(a, w, offs)
+    if grouped_mm_backend.native_supported(a, w):
+        native = torch.nn.functional.grouped_mm(a, w.transpose(1, 2), offs=offs)
+        torch.testing.assert_close(native.float(), loop.float(), rtol=1e-2, atol=1e-2)
+    else:
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.grouped_mm(a, w.transpose(1, 2), offs=offs)
+
+
+# --- the module and switching -----------------------------------------------------------------------------------
+
+def test_experts_module_parameters_and_forward():
+    m = Experts(4, 8, 6, activation="gelu", bias=True, dtype=torch.bfloat16)
+    assert dict((n, tuple(p.shape)) for n, p in m.named_parameters()) == {
+        "gate_up_proj": (4, 12, 8), "down_proj": (4, 8, 6), "gate_up_bias": (4, 12), "down_bias": (4, 8)}
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    assert m.gate_up_proj.abs().max() <= 8 ** -0.5 and m.down_proj.abs().max() <= 6 ** -0.5
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    idx = torch.randint(0, 4, (5, 2))
+    w = torch.rand(5, 2, dtype=torch.bfloat16)
+    for backend in BACKENDS:
+        m.experts_implementation = backend
+        torch.testing.assert_close(m(x, idx, w), experts_forward(
+            x, idx, w, m.gate_up_proj, m.down_proj, activation="gelu", gate_up_bias=m.gate_up_bias,
+            down_bias=m.down_bias, implementation=backend), rtol=0, atol=0)
+    assert set(Experts(2, 4, 2).state_dict()) == {"gate_up_proj", "down_proj"}
+    with pytest.raises(ValueError, match="hidden_size: expected a positive int, got 0"):
+        Experts(2, 0, 2)
+    with pytest.raises(ValueError, match="activation: expected one of"):
+        Experts(2, 4, 2, activation="swish")
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.text = torch.nn.ModuleList([Experts(2, 4, 2), Experts(2, 4, 2)])
+        self.vision = Experts(2, 4, 2, experts_implementation="eager")
+
+
+def test_set_and_get_experts_implementation():
+    model = _Model()
+    assert get_experts_implementation(model) == {"": None, "text.0": "grouped_mm", "text.1": "grouped_mm",
+                                                 "vision": "eager"}
+    snapshot = get_experts_implementation(model)
+    set_experts_implementation(model, "batched_mm")
+    assert get_experts_implementation(model) == {"": "batched_mm", "text.0": "batched_mm",
+                                                 "text.1": "batched_mm", "vision": "batched_mm"}
+    set_experts_implementation(model, {"vision": "eager"})
+    assert model.vision.experts_implementation == "eager" and model.text[0].experts_implementation == "batched_mm"
+    set_experts_implementation(model, {"": "grouped_mm", "text.1": "eager"})
+    assert [m.experts_implementation for m in (model.text[0], model.text[1], model.vision)] == [
+        "grouped_mm", "eager", "grouped_mm"]
+    set_experts_implementation(model, snapshot)
+    assert get_experts_implementation(model) == snapshot
+    with pytest.raises(ValueError, match="implementation: expected one of the registered"):
+        set_experts_implementation(model, {"text": "nope"})
+    assert get_experts_implementation(model) == snapshot  # nothing applied
+    with pytest.raises(ValueError, match="key 'audio' names no experts module"):
+        set_experts_implementation(model, {"audio": "eager"})
+    with pytest.raises(ValueError, match="model: expected a module holding moe_torch.Experts"):
+        set_experts_implementation(torch.nn.Linear(2, 2), "eager")
+    single = Experts(2, 4, 2)
+    set_experts_implementation(single, {"": "eager"})
+    assert get_experts_implementation(single) == {"": "eager"}
+
+
+def test_decode_mode_keeps_grouped_on_cpu():
+    model = _Model()
+    before = get_experts_implementation(model)
+    with decode_mode(model) as m:
+        assert m is model and get_experts_implementation(model) == before
+
+
+def test_decode_mode_switches_where_the_threshold_is_positive(monkeypatch):
+    import moe_torch.modules as modules
+    accel = dataclasses.replace(SPEC, decode_max_slots={"torch": {"cpu": 64}})  # CPU treated as an accelerator
+    monkeypatch.setattr(modules, "_SPEC", accel)
+    model = _Model()
+    set_experts_implementation(model, {"text.1": "batched_mm"})
+    before = get_experts_implementation(model)
+    with decode_mode(model):
+        assert get_experts_implementation(model) == {"": None, "text.0": "batched_mm", "text.1": "batched_mm",
+                                                     "vision": "eager"}
+    assert get_experts_implementation(model) == before
+    with pytest.raises(KeyError):
+        with decode_mode(model):
+            assert model.text[0].experts_implementation == "batched_mm"
+            raise KeyError("boom")
+    assert get_experts_implementation(model) == before
+
+
+# --- torch.compile ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("dtype, H, I", [("float32", 16, 8), ("bfloat16", 16, 8), ("float32", 18, 10)])
+def test_compile_fullgraph(backend, dtype, H, I):
+    torch._dynamo.reset()
+    arrays, dy = random_case(5, T=8, H=H, I=I, E=4, k=2, bias=True, empty_fraction=0.2)
+    tensors = to_torch(arrays, dtype, requires_grad=True)
+    fn = torch.compile(lambda **kw: experts_forward(**kw, implementation=backend), fullgraph=True)
+    out = fn(**tensors)
+    out.backward(to_torch({"g": dy}, dtype)["g"])
+    compiled_grads = {n: t.grad.clone() for n, t in tensors.items() if n in DIFF_ARGS}
+    fresh = to_torch(arrays, dtype, requires_grad=True)
+    expected, grads = run(fresh, backend, grad_output=to_torch({"g": dy}, dtype)["g"])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, expected, **tol)
+    for n, g in grads.items():
+        torch.testing.assert_close(compiled_grads[n], g, **tol)
+
+
+def test_eager_is_not_fullgraph_compatible():
+    torch._dynamo.reset()
+    tensors = _good()
+    with pytest.raises(Exception, match="(?i)data.dependent|graph break|nonzero|tolist"):
+        torch.compile(lambda **kw: experts_forward(**kw, implementation="eager"), fullgraph=True)(**tensors)
+    out = torch.compile(lambda **kw: experts_forward(**kw, implementation="eager"))(**tensors)
+    torch.testing.assert_close(out, experts_forward(**tensors, implementation="eager"))
+
+
+# --- against transformers' own experts module --------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matches_transformers_qwen3_moe_experts(backend, dtype):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    hf = Qwen3MoeExperts(config).to(DTYPES[dtype])
+    with torch.no_grad():
+        hf.gate_up_proj.normal_(0, 0.2), hf.down_proj.normal_(0, 0.2)
+    x = torch.randn(11, 32, dtype=DTYPES[dtype])
+    logits = torch.randn(11, 6)
+    w, idx = torch.topk(logits.softmax(-1), 2)
+    expected = hf(x, idx, w.to(DTYPES[dtype]))
+    ours = Experts(6, 32, 16, experts_implementation=backend, dtype=DTYPES[dtype])
+    ours.load_state_dict(hf.state_dict())
+    out = ours(x, idx, w.to(DTYPES[dtype]))
+    err = (out.double() - expected.double()).norm() / expected.double().norm()
+    assert err <= SPEC.tolerance_for(dtype), f"{err:.2e}"
