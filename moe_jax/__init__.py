@@ -1,1 +1,5 @@
-"""moe_jax: MoE expert backends for JAX on the shared moe_shared contract."""
+"""moe_jax: MoE expert backends for JAX on the shared moe_shared contract (never imports torch)."""
+
+from .api import BACKENDS, available_backends, experts_forward, register
+
+__all__ = ["BACKENDS", "available_backends", "experts_forward", "register"]

@@ -1,0 +1,176 @@
+"""Grouped matmul over rows sorted by expert: ``y[rows of e] = x[rows of e] @ w[e].T``.
+
+Shape legend: S rows (routed slots, sorted by expert), K input width, N output width, E experts.
+``w`` is [E, N, K]; ``group_sizes`` [E] int32 counts the rows of each expert, in order; rows past their sum are
+zero in the result. Two kernels, chosen per platform when the program is lowered (``jax.lax.platform_dependent``):
+
+- ``ragged_dot``: ``jax.lax.ragged_dot_general``; a real grouped kernel on GPU/TPU, a dense masked matmul over all
+  experts on CPU (cost grows with E * S).
+- ``segment_loop``: a loop over the experts that received rows and, inside, over fixed-size blocks of their rows;
+  each block is one dense matmul with that expert's weights. Cost grows with S + E * block, never with E * S.
+  Differentiated by its own VJP (the input gradient is again a segment loop, the weight gradient a blocked
+  transposed product).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_HIGHEST = lax.Precision.HIGHEST  # float32 stays float32 on every platform (no TF32)
+
+
+def block_rows(rows: int, experts: int) -> int:
+    """Rows per block of the segment loop: about the mean rows per expert, a power of two in [8, 512]."""
+    mean = max(1, -(-rows // max(experts, 1)))
+    return int(min(512, max(8, 1 << (mean - 1).bit_length())))
+
+
+def _contract(transpose_w: bool):
+    # x [*, K] with w[e] [N, K] (transpose_w) or [K, N]
+    return (((1,), (1,)), ((), ())) if transpose_w else (((1,), (0,)), ((), ()))
+
+
+def _ragged(x, w, group_sizes, transpose_w: bool):
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)) if transpose_w else ((1,), (1,)), ((), ())),
+        lhs_ragged_dimensions=(0,),
+        rhs_group_dimensions=(0,),
+    )
+    y = lax.ragged_dot_general(x, w, group_sizes, dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _hit_experts(group_sizes):
+    E = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    hit = jnp.nonzero(group_sizes > 0, size=E, fill_value=0)[0]
+    return hit, jnp.sum(group_sizes > 0), ends - group_sizes, ends
+
+
+_BITS = {2: jnp.uint16, 4: jnp.uint32}
+
+
+def _to_bits(a):
+    return lax.bitcast_convert_type(a, _BITS[a.dtype.itemsize])
+
+
+def _from_bits(a, dtype):
+    return lax.bitcast_convert_type(a, dtype)
+
+
+# XLA:CPU computes slices of bfloat16/float16 arrays in float32. Inside a loop it then hoists a float32 copy of
+# the whole loop-invariant operand (all expert weights) out of the loop, on every call. Carrying the sliced arrays
+# through the loop state behind an optimization barrier keeps each slice a slice; the output buffer is kept as raw
+# bits so that its in-place block updates are integer copies.
+
+
+def _segment_forward(x, w, group_sizes, transpose_w: bool):
+    S, K = x.shape
+    N = w.shape[1] if transpose_w else w.shape[2]
+    block = block_rows(S, w.shape[0])
+    hit, n_hit, starts, ends = _hit_experts(group_sizes)
+    dims = _contract(transpose_w)
+
+    def expert(carry):
+        i, out, w, xp = carry
+        w, xp = lax.optimization_barrier((w, xp))
+        e = hit[i]
+        we = lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
+
+        def step(c):
+            row, out, xp = c
+            xp = lax.optimization_barrier(xp)
+            xb = lax.dynamic_slice(xp, (row, 0), (block, K))
+            yb = lax.dot_general(xb, we, dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
+            # rows past this expert's end belong to later experts, which overwrite them afterwards
+            return row + block, lax.dynamic_update_slice(out, _to_bits(yb.astype(x.dtype)), (row, 0)), xp
+
+        _, out, xp = lax.while_loop(lambda c: c[0] < ends[e], step, (starts[e], out, xp))
+        return i + 1, out, w, xp
+
+    out = jnp.zeros((S + block, N), _BITS[x.dtype.itemsize])
+    xp = jnp.pad(x, ((0, block), (0, 0)))
+    out = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, out, w, xp))[1]
+    return _from_bits(out[:S], x.dtype)
+
+
+def _segment_weight_grad(dy, x, group_sizes, num_experts: int, transpose_w: bool):
+    """dw[e] = dy[rows]^T x[rows] ([E, N, K]) if transpose_w, else x[rows]^T dy[rows] ([E, K, N]).
+
+    At most min(E, S) experts have rows: their gradients are accumulated in a buffer of that many and scattered
+    into the zero gradient once."""
+    S = dy.shape[0]
+    block = block_rows(S, num_experts)
+    hit, n_hit, starts, ends = _hit_experts(group_sizes)
+    a, b = (dy, x) if transpose_w else (x, dy)
+    shape = (num_experts, a.shape[1], b.shape[1])
+    bits = _BITS[x.dtype.itemsize]
+    capacity = min(num_experts, S)
+
+    def expert(carry):
+        i, grads, ap, bp = carry
+        ap, bp = lax.optimization_barrier((ap, bp))
+        e = hit[i]
+
+        def step(c):
+            row, acc, ap, bp = c
+            ap, bp = lax.optimization_barrier((ap, bp))
+            live = (row + jnp.arange(block) < ends[e])[:, None]
+            ab = jnp.where(live, lax.dynamic_slice(ap, (row, 0), (block, ap.shape[1])), 0)
+            bb = lax.dynamic_slice(bp, (row, 0), (block, bp.shape[1]))
+            acc = acc + lax.dot_general(ab, bb, (((0,), (0,)), ((), ())), precision=_HIGHEST,
+                                        preferred_element_type=jnp.float32)
+            return row + block, acc, ap, bp
+
+        init = (starts[e], jnp.zeros(shape[1:], jnp.float32), ap, bp)
+        _, acc, ap, bp = lax.while_loop(lambda c: c[0] < ends[e], step, init)
+        grads = lax.dynamic_update_index_in_dim(grads, _to_bits(acc.astype(x.dtype)), i, 0)
+        return i + 1, grads, ap, bp
+
+    pad = ((0, block), (0, 0))
+    grads = jnp.zeros((capacity, *shape[1:]), bits)
+    grads = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, grads, jnp.pad(a, pad), jnp.pad(b, pad)))[1]
+    targets = jnp.where(jnp.arange(capacity) < n_hit, hit[:capacity], num_experts)
+    return _from_bits(jnp.zeros(shape, bits).at[targets].set(grads, mode="drop"), x.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _segment(x, w, group_sizes, transpose_w: bool):
+    return _segment_forward(x, w, group_sizes, transpose_w)
+
+
+def _segment_fwd(x, w, group_sizes, transpose_w):
+    return _segment_forward(x, w, group_sizes, transpose_w), (x, w, group_sizes)
+
+
+def _segment_bwd(transpose_w, residuals, dy):
+    x, w, group_sizes = residuals
+    dx = _segment(dy, w, group_sizes, not transpose_w)
+    dw = _segment_weight_grad(dy, x, group_sizes, w.shape[0], transpose_w).astype(w.dtype)
+    return dx, dw, None
+
+
+_segment.defvjp(_segment_fwd, _segment_bwd)
+
+KERNELS: dict[str, Callable] = {
+    "ragged_dot": _ragged,
+    "segment_loop": lambda x, w, gs, transpose_w: _segment(x, w, gs, transpose_w),
+}
+
+_JAX_PLATFORMS = {"cpu": "cpu", "cuda": "cuda", "tpu": "tpu"}  # spec device class -> lowering platform
+
+
+def grouped_matmul(x, w, group_sizes, *, kernels: Mapping[str, str], transpose_w: bool = True):
+    """``x`` [S, K] by ``w`` [E, N, K] per group (``transpose_w``) or [E, K, N]; ``kernels`` maps a spec device
+    class to a kernel name, ``"default"`` for the rest."""
+    chosen = {_JAX_PLATFORMS[dc]: KERNELS[name] for dc, name in kernels.items() if dc != "default"}
+    default = KERNELS[kernels.get("default", "ragged_dot")]
+    if not chosen:
+        return default(x, w, group_sizes, transpose_w)
+    branches = {p: partial(fn, transpose_w=transpose_w) for p, fn in chosen.items()}
+    return lax.platform_dependent(x, w, group_sizes, default=partial(default, transpose_w=transpose_w), **branches)
