@@ -49,3 +49,30 @@ def random_case(seed: int, *, T: int, H: int, I: int, E: int, k: int, bias: bool
         arrays["down_bias"] = 0.1 * rng.standard_normal((E, H))
     grad_output = rng.standard_normal((T, H))
     return arrays, grad_output
+
+
+# Bad inputs, the same for every framework: (argument, change of shape on the NumPy array, dtype to cast to,
+# expected message). Each framework's test applies them to its own arrays.
+def _keep(a):
+    return a
+
+
+BAD_INPUTS = [
+    ("hidden_states", lambda a: a[None], None, r"hidden_states: expected a 2-D array \[T, H\], got shape \(1, 4, 8\)"),
+    ("hidden_states", _keep, "int32", r"hidden_states: expected dtype in \['float32', 'bfloat16', 'float16'\], "
+                                      r"got dtype int32"),
+    ("top_k_index", _keep, "float32", r"top_k_index: expected dtype in \['int32', 'int64'\], got dtype float32"),
+    ("top_k_index", lambda a: a[:3], None, r"top_k_index: expected shape \[T, k\] = \(4, \?\), got shape \(3, 2\)"),
+    ("top_k_weights", lambda a: a[:, :1], None, r"top_k_weights: expected shape \[T, k\] = \(4, 2\), got shape \(4, 1\)"),
+    ("gate_up_proj", lambda a: a[:, :7], None, r"gate_up_proj: expected shape \[E, 2I, H\] = \(3, 8, 8\)"),
+    ("down_proj", lambda a: a[:2], None, r"down_proj: expected shape \[E, H, I\] = \(3, 8, \?\), got shape \(2, 8, 4\)"),
+    ("down_proj", _keep, "float16", r"down_proj: expected the dtype of gate_up_proj \(float32\), got dtype float16"),
+    ("gate_up_bias", lambda a: a[:, :5], None, r"gate_up_bias: expected shape \[E, 2I\] = \(3, 8\), got shape \(3, 5\)"),
+    ("down_bias", _keep, "bfloat16", r"down_bias: expected the dtype of the weights \(float32\), got dtype bfloat16"),
+]
+BAD_INPUT_IDS = [f"{arg}-{i}" for i, (arg, *_) in enumerate(BAD_INPUTS)]
+
+
+def good_arrays():
+    """A small valid problem (T=4, H=8, I=4, E=3, k=2, biases) for the bad-input tests."""
+    return random_case(2, T=4, H=8, I=4, E=3, k=2, bias=True)[0]

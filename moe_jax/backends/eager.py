@@ -1,7 +1,13 @@
-"""eager: a Python loop over the experts that received tokens. Needs concrete expert ids: outside jax.jit only."""
+"""eager: a Python loop over the experts that received tokens. Needs concrete expert ids: outside jax.jit only.
+
+Each expert's rows are padded to a power-of-two bucket so that one compiled expert MLP serves many row counts.
+"""
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,6 +24,13 @@ def _dense(x, w, b):
     return y if b is None else y + b
 
 
+@partial(jax.jit, static_argnames=("activation",))
+def _expert_mlp(x, rows, e, gate_up_proj, down_proj, gate_up_bias, down_bias, *, activation):
+    pick = lambda b: None if b is None else b[e]
+    h = _dense(x[rows], gate_up_proj[e], pick(gate_up_bias))
+    return _dense(gate(activation, h, down_proj.shape[2]), down_proj[e], pick(down_bias))
+
+
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
     if is_traced(top_k_index):
@@ -30,8 +43,11 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     positions, outputs = [], []
     for e in np.unique(ids[(ids >= 0) & (ids < E)]):
         pos = np.nonzero(ids == e)[0]
-        h = _dense(x[pos // slots.k], gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e])
-        outputs.append(_dense(gate(activation, h, I), down_proj[e], None if down_bias is None else down_bias[e]))
+        bucket = 1 << (len(pos) - 1).bit_length()
+        rows = np.pad(pos // slots.k, (0, bucket - len(pos))).astype(np.int32)
+        y = _expert_mlp(x, rows, np.int32(e), gate_up_proj, down_proj, gate_up_bias, down_bias,
+                        activation=activation)
+        outputs.append(y[: len(pos)])
         positions.append(pos)
     y = jnp.zeros((slots.count, H), x.dtype)
     if positions:
