@@ -213,3 +213,11 @@ def test_auto_backend_reads_the_spec_threshold():
     assert limit > 0
     assert auto_backend("jax", "cuda", limit) == "batched_mm"
     assert auto_backend("jax", "cuda", limit + 1) == "grouped_mm"
+
+
+def test_readme_tables_are_rendered_from_the_spec():
+    from moe_shared.tables import TABLES, render_into
+    readme = (ROOT / "README.md").read_text()
+    assert render_into(readme) == readme, "run: python -m moe_shared.tables --write README.md"
+    for name in TABLES:
+        assert f"<!-- spec:{name} -->" in readme
