@@ -72,8 +72,8 @@ def render_into(text: str, spec: Spec | None = None) -> str:
     """``text`` with every marked table replaced by the one rendered from the spec."""
     spec = spec or load_spec()
     for name, render in TABLES.items():
-        pattern = re.compile(rf"(<!-- spec:{name} -->\n).*?(\n<!-- /spec:{name} -->)", re.S)
-        text = pattern.sub(lambda m: m.group(1) + render(spec) + m.group(2), text)
+        pattern = re.compile(rf"(<!-- spec:{name} -->\n).*?(<!-- /spec:{name} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + render(spec) + "\n" + m.group(2), text)
     return text
 
 
