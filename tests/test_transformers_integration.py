@@ -8,23 +8,18 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.activations import ACT2FN
+from transformers.generation.utils import GenerationMixin
+from transformers.integrations import moe as hf_moe
+from transformers.utils import logging as hf_logging
 
-pytest.importorskip("transformers")
-
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-from transformers.activations import ACT2FN  # noqa: E402
-from transformers.generation.utils import GenerationMixin  # noqa: E402
-from transformers.integrations import moe as hf_moe  # noqa: E402
-from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig  # noqa: E402
-from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
-
-import moe_torch  # noqa: E402
-from moe_shared.registry import UnknownBackendError  # noqa: E402
-from moe_shared.spec import FrameworkSupport, Requirements  # noqa: E402
-from moe_torch import ExpertsInterface  # noqa: E402
-from moe_torch.integrations import transformers as integration  # noqa: E402
-from support import SPEC, assert_close  # noqa: E402
+import moe_torch
+from moe_shared.registry import UnknownBackendError
+from moe_shared.spec import FrameworkSupport, Requirements
+from moe_torch import ExpertsInterface
+from moe_torch.integrations import transformers as integration
+from support import SPEC, assert_close
 
 hf_logging.set_verbosity_error()
 
@@ -62,8 +57,23 @@ class Call(NamedTuple):
     backend: str
     activation: object
     hidden_dtype: torch.dtype
-    weights_dtype: torch.dtype
-    implementation: object
+    routing_dtype: torch.dtype
+    implementation: str | None  # the watched model's experts implementation during the call
+
+
+class Spy:
+    """Records every call that reaches a moe_torch backend, in order."""
+
+    def __init__(self):
+        self.log: list[Call] = []
+        self.model = None
+
+    def wrap(self, name, fn):
+        def backend(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, **kw):
+            current = None if self.model is None else self.model.get_experts_implementation()[""]
+            self.log.append(Call(name, kw["activation"], hidden_states.dtype, top_k_weights.dtype, current))
+            return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, **kw)
+        return backend
 
 
 def tiny_config(model_type: str, **overrides):
@@ -119,21 +129,13 @@ def assert_model_close(label, model, ids, implementation, reference, dtype="floa
 
 @pytest.fixture
 def calls():
-    """Every call that reaches a moe_torch backend, in order (the backends are wrapped in spies)."""
-    log: list[Call] = []
+    """A Spy around every moe_torch backend, removed after the test."""
+    spy = Spy()
     originals = {name: (ExpertsInterface[name], ExpertsInterface.capability(name)) for name in BACKENDS}
-
-    def spy(name, fn):
-        def backend(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, **kw):
-            log.append(Call(name, kw["activation"], hidden_states.dtype, top_k_weights.dtype, spy.current()))
-            return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, **kw)
-        return backend
-
-    spy.current = lambda: None
     for name, (fn, capability) in originals.items():
-        ExpertsInterface.register(name, spy(name, fn), capability=capability)
+        ExpertsInterface.register(name, spy.wrap(name, fn), capability=capability)
     try:
-        yield log, spy
+        yield spy
     finally:
         for name, (fn, capability) in originals.items():
             ExpertsInterface.register(name, fn, capability=capability)
@@ -164,7 +166,7 @@ def test_register_is_idempotent():
 
 
 def test_register_adds_user_backends_and_skips_unavailable_ones(hf_registry, calls):
-    log, _ = calls
+    log = calls.log
     gpu_only = FrameworkSupport("torch", ("cuda",), ("float32",), (), Requirements())
     ExpertsInterface.register("user_batched", lambda *a, **kw: ExpertsInterface["batched_mm"](*a, **kw))
     ExpertsInterface.register("user_gpu_only", ExpertsInterface["batched_mm"], capability=gpu_only)
@@ -205,7 +207,7 @@ def test_backend_removed_after_registration_raises(hf_registry):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_hf_eager(family, calls):
-    log, _ = calls
+    log = calls.log
     model = tiny_model(family)
     ids = token_ids()
     reference = run(model, ids, "eager")
@@ -218,7 +220,7 @@ def test_family_matches_hf_eager(family, calls):
 
 
 def test_from_config_with_our_name(calls):
-    log, _ = calls
+    log = calls.log
     model = tiny_model("mixtral", implementation=GROUPED)
     assert model.get_experts_implementation()[""] == GROUPED
     logits, experts = run(model, token_ids(), GROUPED)
@@ -230,7 +232,7 @@ def test_from_config_with_our_name(calls):
                                                    ("relu", "relu"), ("gelu_pytorch_tanh", None),
                                                    ("gelu_python", None), ("relu2", None)])
 def test_default_gate_passes_the_named_activation(hidden_act, expected, calls):
-    log, _ = calls
+    log = calls.log
     model = tiny_model("mixtral", hidden_act=hidden_act)
     reference = run(model, token_ids(), "eager")
     assert_model_close(hidden_act, model, token_ids(), GROUPED, reference)
@@ -284,7 +286,7 @@ def test_wrong_kernel_is_detected(hf_registry):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_bfloat16_model_matches_hf_eager(family, calls):
-    log, _ = calls
+    log = calls.log
     model = tiny_model(family, dtype=torch.bfloat16)
     ids = token_ids()
     reference = run(model, ids, "eager")
@@ -292,7 +294,7 @@ def test_bfloat16_model_matches_hf_eager(family, calls):
         assert_model_close(f"{family} bf16 {name}", model, ids, name, reference, dtype="bfloat16")
     assert {c.hidden_dtype for c in log} == {torch.bfloat16}
     if family == "mixtral":  # its router hands float32 weights to bfloat16 experts
-        assert {c.weights_dtype for c in log} == {torch.float32}
+        assert {c.routing_dtype for c in log} == {torch.float32}
 
 
 def test_three_dimensional_hidden_states():
@@ -339,12 +341,11 @@ def test_generate_matches_hf_eager(family):
 
 
 def _generate_and_log(model, calls, new_tokens=4):
-    log, spy = calls
-    spy.current = lambda: model.get_experts_implementation()[""]
+    calls.model = model
     ids = token_ids(length=5)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False)
-    return out, log
+    return out, calls.log
 
 
 def test_decode_keeps_grouped_on_cpu(calls):
@@ -417,6 +418,9 @@ def test_expert_parallel_sentinels_are_empty_slots(backend):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_post_expert_norm_is_not_supported(name):
+    from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
     config = MuseSparkTextConfig(num_local_experts=4, moe_hidden_size=16, moe_intermediate_size=8)
     module = MuseSparkExperts(config)
     config._experts_implementation = name
