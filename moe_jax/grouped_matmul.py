@@ -25,9 +25,9 @@ _HIGHEST = lax.Precision.HIGHEST  # float32 stays float32 on every platform (no 
 
 
 def block_rows(rows: int, experts: int) -> int:
-    """Rows per block of the segment loop: about the mean rows per expert, a power of two in [8, 512]."""
+    """Rows per block of the segment loop: about the mean rows per expert, a power of two in [1, 512]."""
     mean = max(1, -(-rows // max(experts, 1)))
-    return int(min(512, max(8, 1 << (mean - 1).bit_length())))
+    return int(min(512, 1 << (mean - 1).bit_length()))
 
 
 def _contract(transpose_w: bool):
