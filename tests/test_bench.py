@@ -55,7 +55,7 @@ def test_smoke_json_schema(smoke):
         assert isinstance(meta[key], kind), (key, meta[key])
     assert meta["peak_tflops"] > 0 and meta["peak_tbs"] > 0
     assert isinstance(meta["decode_crossover"], dict) and isinstance(meta["skipped"], list)
-    assert meta["errors"] == []
+    assert meta["errors"] == [] and meta["complete"] is True
     assert set(RECORD_KEYS) == set(RECORD_TYPES)
     frameworks = {r["framework"] for r in records}
     assert "torch" in frameworks

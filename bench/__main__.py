@@ -1,0 +1,180 @@
+"""python -m bench: time every available experts backend of torch and JAX over a token sweep.
+
+Writes <out>/<device-tag>/<date>-<config>.{json,csv,png} (out: bench/results) and prints a table. Points are
+skipped, with the reason, when their estimated memory exceeds the budget or one call would exceed --max-call-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from moe_shared import load_spec
+from moe_torch import ExpertsInterface
+
+from . import environment, report
+from .budget import GIB
+from .configs import CONFIGS, get_configs, parse_tokens
+from .crossover import crossover
+from .roofline import MODES
+from .runners import RUNNERS, Timing
+from .sweep import Options, Results, default_memory_budget, run
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+COMPILE_FLAGS = {"off": False, "on": True}
+
+
+def _choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise SystemExit(f"{flag}: expected comma-separated values from {list(allowed)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default="tiny", help=f"comma-separated, or 'all': {', '.join(CONFIGS)}")
+    p.add_argument("--tokens", help="comma-separated token counts (default: the config's, 1..16384; tiny 1..256)")
+    p.add_argument("--frameworks", default="torch,jax")
+    p.add_argument("--backends", help="comma-separated backend names (default: every available one)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--compile", help="torch.compile settings to run, 'off,on' (default: off,on on cuda; off on "
+                                     "cpu, where compiling each point costs seconds). JAX: always jitted")
+    p.add_argument("--compile-mode", default="default", help="torch.compile mode")
+    p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (a <device-tag> folder is made in it)")
+    p.add_argument("--sets", type=int, default=3, help="input sets cycled through the timed calls")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds over the input sets")
+    p.add_argument("--min-reps", type=int, default=3)
+    p.add_argument("--max-reps", type=int, default=100)
+    p.add_argument("--min-time", type=float, default=0.2, help="seconds of timed calls per point")
+    p.add_argument("--max-call-s", type=float, default=2.0, help="skip points estimated slower than this per call")
+    p.add_argument("--max-point-s", type=float, default=15.0,
+                   help="skip a series' larger token counts once a point took longer to warm up and time")
+    p.add_argument("--mem-budget-gib", type=float, help="skip points estimated larger (default: 85%% of the GPU, "
+                                                        "half the free RAM on cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failing point")
+    p.add_argument("--list", action="store_true", help="list the configs and the backends' availability, then exit")
+    return p.parse_args(argv)
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device: expected cpu or cuda, got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return device
+
+
+def options(args: argparse.Namespace) -> Options:
+    device = _device(args.device)
+    dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)
+    if dtype not in load_spec().dtypes:
+        raise SystemExit(f"--dtype: expected one of {list(load_spec().dtypes)} or {list(DTYPE_ALIASES)}, "
+                         f"got {args.dtype!r}")
+    compile_text = args.compile or ("off,on" if device.type == "cuda" else "off")
+    known_backends = sorted(set(load_spec().backends) | set(ExpertsInterface))
+    try:
+        configs = get_configs(args.config)
+        tokens = parse_tokens(args.tokens) if args.tokens else None
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    backends = None
+    if args.backends:
+        backends = _choices(args.backends, known_backends, "--backends")
+    for name, value in (("--sets", args.sets), ("--warmup", args.warmup), ("--min-reps", args.min_reps),
+                        ("--max-reps", args.max_reps)):
+        if value < 1:
+            raise SystemExit(f"{name}: expected a positive integer, got {value}")
+    return Options(
+        configs=configs, tokens=tokens, frameworks=_choices(args.frameworks, list(RUNNERS), "--frameworks"),
+        backends=backends, modes=_choices(args.modes, MODES, "--modes"),
+        compile_flags=[COMPILE_FLAGS[c] for c in _choices(compile_text, list(COMPILE_FLAGS), "--compile")],
+        compile_mode=args.compile_mode, dtype=dtype, device=device,
+        timing=Timing(warmup=args.warmup, min_reps=args.min_reps, max_reps=max(args.min_reps, args.max_reps),
+                      min_time=args.min_time),
+        n_sets=args.sets, seed=args.seed,
+        memory_budget=args.mem_budget_gib * GIB if args.mem_budget_gib else default_memory_budget(device),
+        max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast,
+    )
+
+
+def _list(opts: Options) -> int:
+    for cfg in CONFIGS.values():
+        print(f"config {cfg.name}: H={cfg.hidden} I={cfg.intermediate} E={cfg.experts} k={cfg.top_k} "
+              f"tokens {cfg.tokens[0]}..{cfg.tokens[-1]}")
+    for fw in opts.frameworks:
+        for backend, reason in RUNNERS[fw](opts.device).availability().items():
+            print(f"{fw}:{backend}: {'available' if reason is None else reason}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
+    args = parse_args(argv)
+    opts = options(args)
+    if args.list:
+        return _list(opts)
+    if args.compile is None:
+        print(f"compile: {'off,on' if True in opts.compile_flags else 'off'} (the default on {opts.device.type}; "
+              f"set --compile)", file=sys.stderr)
+    started = datetime.datetime.now()
+    meta = {
+        "device": environment.device_name(opts.device), "device_tag": environment.device_tag(opts.device),
+        "device_class": opts.device.type, **environment.versions(), "commit": environment.commit(),
+        "date": started.isoformat(timespec="seconds"), "dtype": opts.dtype,
+        "command": ["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)],
+    }
+    folder = args.out / meta["device_tag"]
+    folder.mkdir(parents=True, exist_ok=True)
+    bases = {cfg.name: folder / f"{started:%Y-%m-%d}-{cfg.name}" for cfg in opts.configs}
+
+    def write(results: Results, complete: bool) -> dict[str, dict]:
+        """The JSON and CSV of every config (rewritten after each point, ``complete`` false until the end)."""
+        meta.update(peak_tflops=results.peaks.tflops, peak_tbs=results.peaks.tbs, complete=complete,
+                    unavailable=results.unavailable)
+        crossovers = {}
+        for name, base in bases.items():
+            records = [r for r in results.records if r["config"] == name]
+            crossovers[name] = crossover(records)
+            report.write_json(base.with_suffix(".json"), meta | {
+                "config": name, "decode_crossover": crossovers[name],
+                "skipped": [s for s in results.skipped if s["config"] == name],
+                "errors": [e for e in results.errors if e["config"] == name],
+            }, records)
+            report.write_csv(base.with_suffix(".csv"), records)
+        return crossovers
+
+    results = run(opts, checkpoint=lambda r: write(r, complete=False))
+    crossovers = write(results, complete=True)
+    print(report.table(results.records))
+    for name, base in bases.items():
+        records = [r for r in results.records if r["config"] == name]
+        written = [base.with_suffix(".json"), base.with_suffix(".csv")]
+        if not args.no_plot and records and report.write_png(base.with_suffix(".png"), records,
+                                                             f"{name} on {meta['device']}"):
+            written.append(base.with_suffix(".png"))
+        print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
+    print()
+    print(report.summary(meta, results.unavailable, results.skipped, results.errors, crossovers))
+    print(f"finished in {(datetime.datetime.now() - started).total_seconds():.0f} s", file=sys.stderr)
+    return 1 if results.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

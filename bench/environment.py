@@ -1,0 +1,62 @@
+"""What the results were measured on: device name and tag, library versions, commit."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_cpu_name()} ({cores()} cores)"
+
+
+def device_tag(device: torch.device) -> str:
+    """"nvidia-h200", "cpu-2core": the results sub-folder."""
+    if device.type == "cuda":
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return f"cpu-{cores()}core"
+
+
+def commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def versions() -> dict[str, str | None]:
+    return {"torch": torch.__version__, "jax": _version("jax"), "triton": _version("triton"),
+            "python": platform.python_version()}

@@ -1,0 +1,361 @@
+"""The torch and JAX runners behind one interface; ``RUNNERS`` maps a framework name to its runner class.
+
+A runner converts the shared torch inputs (``inputs.py``) to its arrays, builds the call of one point and times
+it. torch: ``compiled`` means torch.compile (fullgraph backends only; see ``TorchRunner.variants``). JAX: every
+backend runs jitted, except those the spec marks ``jit = false`` (run un-jitted); ``--compile`` does not apply.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+import moe_torch
+from moe_shared import load_spec
+from moe_torch import ExpertsInterface
+
+from .budget import GIB
+from .inputs import InputSet, Weights
+
+SPEC = load_spec()
+
+
+@dataclass(frozen=True)
+class Timing:
+    warmup: int = 1  # rounds over every input set before timing (the first call compiles); at least 1
+    min_reps: int = 3
+    max_reps: int = 100
+    min_time: float = 0.2  # seconds of timed calls per point, within [min_reps, max_reps]
+
+
+@dataclass
+class Measurement:
+    ms: list[float]
+    peak_mem_gib: float | None
+    output: np.ndarray  # forward output on input set 0, float32
+    run_s: float  # wall time of warm-up and timing, without one-off compilation
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.ms)
+
+
+class Runner(ABC):
+    framework: ClassVar[str]
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @abstractmethod
+    def availability(self) -> dict[str, str | None]:
+        """Every backend of the framework -> None if it runs on the device, else why not."""
+
+    @abstractmethod
+    def variants(self, backend: str, dtype: str, compile_flags: Collection[bool],
+                 compile_mode: str) -> dict[bool, str | None]:
+        """compiled flag -> None to run it, or the reason it is skipped."""
+
+    @staticmethod
+    @abstractmethod
+    def label(compiled: bool) -> str:
+        """The variant suffix in labels ("" for the framework's plain way of running)."""
+
+    @abstractmethod
+    def load(self, weights: Weights, sets: list[InputSet]) -> None:
+        """Take this point's inputs (weights stay the same across the token counts of a config)."""
+
+    @abstractmethod
+    def build(self, backend: str, mode: str, compiled: bool, compile_mode: str) -> Callable[[int], Any]:
+        """The call on input set i; it returns what ``finish`` waits on and ``forward_output`` reads."""
+
+    @abstractmethod
+    def finish(self, result: Any) -> None:
+        """Block until ``result`` is computed."""
+
+    @abstractmethod
+    def forward_output(self, result: Any) -> np.ndarray:
+        ...
+
+    @abstractmethod
+    def is_out_of_memory(self, err: BaseException) -> bool:
+        ...
+
+    def release(self) -> None:
+        """Drop the loaded inputs."""
+
+    def recompiles_per_routing(self, compiled: bool) -> bool:
+        """Whether this variant compiles again for new expert row counts (its warm-up grows with the hits)."""
+        return False
+
+    def clock(self, call: Callable[[int], Any], i: int) -> tuple[float, Any]:
+        """Milliseconds of one call, and its result."""
+        t0 = time.perf_counter()
+        result = call(i)
+        self.finish(result)
+        return (time.perf_counter() - t0) * 1e3, result
+
+    def start_memory(self) -> None:
+        """Called after the warm-up, before the timed calls."""
+
+    def peak_memory_gib(self) -> float | None:
+        """Peak memory of one call (arguments included) since ``start_memory``; None where not measured."""
+        return None
+
+    def measure(self, backend: str, mode: str, compiled: bool, compile_mode: str, n_sets: int,
+                timing: Timing) -> Measurement:
+        """Build, warm up, time. ``run_s`` leaves out what is paid once: the build (JAX compiles there) and,
+        when compiled, the first call (torch.compile compiles there)."""
+        call = self.build(backend, mode, compiled, compile_mode)
+        built = time.perf_counter()
+        self.finish(call(0))
+        setup_end = time.perf_counter() if compiled else built
+        for r in range(timing.warmup):
+            for i in range(n_sets):
+                if r or i:
+                    self.finish(call(i))
+        self.start_memory()
+        samples: list[float] = []
+        start = time.perf_counter()
+        while len(samples) < timing.max_reps and (len(samples) < timing.min_reps
+                                                  or time.perf_counter() - start < timing.min_time):
+            ms, result = self.clock(call, len(samples) % n_sets)
+            samples.append(ms)
+            if len(samples) == 1:
+                output = self.forward_output(result)
+        return Measurement(samples, self.peak_memory_gib(), output, run_s=time.perf_counter() - setup_end)
+
+
+class TorchRunner(Runner):
+    """moe_torch.experts_forward with validate=False. Compiled: torch.compile(fullgraph=True, dynamic=False)
+    after torch._dynamo.reset(), once per point. The eager backend is not compiled: the spec marks it not
+    fullgraph-compatible, and its data-dependent expert loop recompiles per routing until dynamo gives up and
+    runs it uncompiled, so a "compiled" timing would not be one."""
+
+    framework = "torch"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self._base_memory = 0
+        self._call_bytes = 0
+
+    def availability(self) -> dict[str, str | None]:
+        return moe_torch.available_backends(self.device)
+
+    def variants(self, backend, dtype, compile_flags, compile_mode):
+        result: dict[bool, str | None] = {}
+        if False in compile_flags:
+            result[False] = None
+        if True in compile_flags:
+            result[True] = self._compile_skip(backend, dtype, compile_mode)
+        return result
+
+    @staticmethod
+    def _compile_skip(backend: str, dtype: str, compile_mode: str) -> str | None:
+        support = ExpertsInterface.capability(backend)
+        spec = support.compile if support is not None else None
+        if spec is None:
+            return "not compiled: no torch.compile support declared"
+        if not spec.fullgraph:
+            return "not compiled: not fullgraph-compatible (data-dependent loop; dynamo would fall back to eager)"
+        if compile_mode not in spec.modes:
+            return f"not compiled: compile mode {compile_mode!r} not in the spec's {list(spec.modes)}"
+        if dtype not in spec.dtypes:
+            return f"not compiled: dtype {dtype} not in the spec's compile dtypes {list(spec.dtypes)}"
+        return None
+
+    @staticmethod
+    def label(compiled: bool) -> str:
+        return "compiled" if compiled else ""
+
+    def load(self, weights, sets):
+        self.weights = weights
+        self.sets = sets
+        self._call_bytes = weights.nbytes + sets[0].nbytes
+        grad_weights = [t.detach().requires_grad_(True) for t in (weights.gate_up, weights.down)]
+        self._leaves = [(s.hidden_states.detach().requires_grad_(True), s.top_k_weights.detach().requires_grad_(True),
+                         *grad_weights) for s in sets]
+
+    def release(self):
+        self.weights = self.sets = self._leaves = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def build(self, backend, mode, compiled, compile_mode):
+        def forward(x, index, w, gate_up, down):
+            return moe_torch.experts_forward(x, index, w, gate_up, down, implementation=backend, validate=False)
+
+        if compiled:
+            torch._dynamo.reset()
+            forward = torch.compile(forward, fullgraph=True, mode=compile_mode, dynamic=False)
+        return {"fwd": self._forward_call, "fwd+bwd": self._backward_call}[mode](forward)
+
+    def _forward_call(self, forward):
+        def call(i):
+            s = self.sets[i]
+            with torch.no_grad():
+                return forward(s.hidden_states, s.top_k_index, s.top_k_weights, self.weights.gate_up,
+                               self.weights.down)
+        return call
+
+    def _backward_call(self, forward):
+        def call(i):
+            x, w, gate_up, down = self._leaves[i]
+            out = forward(x, self.sets[i].top_k_index, w, gate_up, down)
+            torch.autograd.grad(out, (x, w, gate_up, down), self.sets[i].grad_output)
+            return out
+        return call
+
+    def finish(self, result):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def forward_output(self, result):
+        return result.detach().float().cpu().numpy()
+
+    def is_out_of_memory(self, err):
+        return isinstance(err, torch.OutOfMemoryError)
+
+    def clock(self, call, i):
+        if self.device.type != "cuda":
+            return super().clock(call, i)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = call(i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), result
+
+    def start_memory(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base_memory = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory_gib(self):
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device) - self._base_memory
+        return (peak + self._call_bytes) / GIB
+
+
+_JAX_PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}
+
+
+class JaxRunner(Runner):
+    """moe_jax.experts_forward on arrays copied from the torch inputs (DLPack). Jitted backends are compiled
+    ahead of time once per point (``jax.jit(f).lower(...).compile()``); their peak memory is XLA's
+    memory analysis (arguments + outputs + temporaries). Un-jitted backends report no peak memory."""
+
+    framework = "jax"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self._unavailable: str | None = None
+        self._memory: float | None = None
+        try:
+            import jax
+            import moe_jax
+            moe_jax.experts_forward, moe_jax.available_backends  # noqa: B018  (the API the runner uses)
+        except (ImportError, AttributeError) as err:
+            self._unavailable = f"moe_jax cannot be used: {type(err).__name__}: {err}"
+            return
+        self.jax, self.moe_jax = jax, moe_jax
+        self.platform = _JAX_PLATFORMS.get(device.type)
+        if self.platform is None:
+            self._unavailable = f"no JAX platform for torch device type {device.type!r}"
+            return
+        try:
+            self.jax_device = jax.devices(self.platform)[0]
+        except RuntimeError as err:
+            self._unavailable = f"JAX has no {self.platform} device: {err}"
+
+    def availability(self):
+        if self._unavailable is not None:
+            return {name: self._unavailable for name in SPEC.backend_names("jax")}
+        return dict(self.moe_jax.available_backends(self.platform))
+
+    def variants(self, backend, dtype, compile_flags, compile_mode):
+        declared = SPEC.backends.get(backend)
+        support = declared.frameworks.get("jax") if declared is not None else None
+        jit = True if support is None or support.jit is None else bool(support.jit)
+        return {jit: None}
+
+    @staticmethod
+    def label(compiled: bool) -> str:
+        return "" if compiled else "nojit"
+
+    def _array(self, t: torch.Tensor):
+        """A JAX copy of ``t``: a zero-copy DLPack view, then copied (PJRT's C API refuses copy=True on GPU)."""
+        view = self.jax.dlpack.from_dlpack(t.detach().contiguous())
+        if view.devices() != {self.jax_device}:
+            raise RuntimeError(f"DLPack gave an array on {view.devices()}, expected {self.jax_device}")
+        return self.jax.numpy.array(view, copy=True)
+
+    def load(self, weights, sets):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.gate_up, self.down = self._array(weights.gate_up), self._array(weights.down)
+        self.sets = [(self._array(s.hidden_states), self._array(s.top_k_index.to(torch.int32)),
+                      self._array(s.top_k_weights), self._array(s.grad_output)) for s in sets]
+        self.jax.block_until_ready((self.gate_up, self.down, self.sets))
+
+    def release(self):
+        self.gate_up = self.down = self.sets = None
+
+    def build(self, backend, mode, compiled, compile_mode):
+        experts_forward = self.moe_jax.experts_forward
+
+        def forward(x, index, w, gate_up, down):
+            return experts_forward(x, index, w, gate_up, down, implementation=backend, validate=False)
+
+        def forward_backward(x, index, w, gate_up, down, g):
+            out, vjp = self.jax.vjp(lambda x, w, gate_up, down: forward(x, index, w, gate_up, down),
+                                    x, w, gate_up, down)
+            return out, vjp(g)
+
+        def args(i):
+            x, index, w, g = self.sets[i]
+            return (x, index, w, self.gate_up, self.down) + ((g,) if mode == "fwd+bwd" else ())
+
+        fn = {"fwd": forward, "fwd+bwd": forward_backward}[mode]
+        self._memory = None
+        if not compiled:
+            return lambda i: fn(*args(i))
+        executable = self.jax.jit(fn).lower(*args(0)).compile()
+        analysis = executable.memory_analysis()
+        if analysis is not None:
+            self._memory = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                            + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes) / GIB
+        return lambda i: executable(*args(i))
+
+    def finish(self, result):
+        self.jax.block_until_ready(result)
+
+    def forward_output(self, result):
+        out = result[0] if isinstance(result, tuple) else result
+        return np.asarray(out.astype(self.jax.numpy.float32))
+
+    def is_out_of_memory(self, err):
+        return "RESOURCE_EXHAUSTED" in str(err)
+
+    def recompiles_per_routing(self, compiled):
+        return not compiled
+
+    def peak_memory_gib(self):
+        return self._memory
+
+
+RUNNERS: dict[str, type[Runner]] = {r.framework: r for r in (TorchRunner, JaxRunner)}
+
+
+def series(framework: str, backend: str, compiled: bool, mode: str | None = None) -> str:
+    """"framework:backend[:variant][:mode]", the name of one line in the table and the plot."""
+    parts = [framework, backend, RUNNERS[framework].label(compiled), mode or ""]
+    return ":".join(p for p in parts if p)

@@ -1,0 +1,228 @@
+"""The sweep: plan every point (or why it is skipped), run the planned ones, collect records.
+
+Token counts run in increasing order, so that ``SlowSeries`` can stop a series that gets too slow (un-jitted
+JAX, for one, compiles every op anew for each distinct expert row count: its warm-up grows with the experts hit).
+
+Frameworks run one after the other (all torch points, then all JAX points) so that one framework's memory is
+released before the next allocates; the float32 reference of each (config, tokens) is computed once.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moe_shared import relative_l2
+
+from . import budget, inputs, roofline
+from .configs import Config
+from .progress import progress
+from .runners import RUNNERS, Runner, Timing, series
+
+
+@dataclass(frozen=True)
+class Options:
+    configs: Sequence[Config]
+    tokens: Sequence[int] | None  # None: each config's own list
+    frameworks: Sequence[str]
+    backends: Sequence[str] | None  # None: every available one
+    modes: Sequence[str]
+    compile_flags: Sequence[bool]
+    compile_mode: str
+    dtype: str
+    device: torch.device
+    timing: Timing
+    n_sets: int
+    seed: int
+    memory_budget: float  # bytes
+    max_call_s: float
+    max_point_s: float
+    fail_fast: bool = False
+
+
+@dataclass(frozen=True)
+class Point:
+    framework: str
+    backend: str
+    cfg: Config
+    tokens: int
+    mode: str
+    compiled: bool
+
+
+@dataclass
+class Results:
+    peaks: roofline.Peaks
+    unavailable: dict[str, dict[str, str]] = field(default_factory=dict)  # framework -> backend -> reason
+    records: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+
+
+def _where(framework, backend, cfg, tokens, mode, compiled) -> dict:
+    return {"framework": framework, "backend": backend, "config": cfg.name, "tokens": tokens, "mode": mode,
+            "compiled": compiled}
+
+
+def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, results: Results) -> list[Point]:
+    itemsize = torch.empty(0, dtype=getattr(torch, opts.dtype)).element_size()
+    device_class = opts.device.type
+    points = []
+    for fw, runner in runners.items():
+        available = runner.availability()
+        results.unavailable[fw] = {b: r for b, r in available.items() if r is not None}
+        names = [b for b, r in available.items() if r is None and (opts.backends is None or b in opts.backends)]
+        for backend in names:
+            for compiled, reason in runner.variants(backend, opts.dtype, opts.compile_flags,
+                                                    opts.compile_mode).items():
+                for cfg in opts.configs:
+                    if reason is not None:
+                        results.skipped.append(_where(fw, backend, cfg, None, None, compiled) | {"reason": reason})
+                        continue
+                    for mode in opts.modes:
+                        for tokens in opts.tokens or cfg.tokens:
+                            shape = budget.Shape(cfg, tokens, mode, itemsize)
+                            est = budget.estimate(fw, backend, device_class, shape, peaks, opts.n_sets)
+                            skip = budget.skip_reason(est, opts.memory_budget, opts.max_call_s)
+                            if skip is None:
+                                points.append(Point(fw, backend, cfg, tokens, mode, compiled))
+                            else:
+                                results.skipped.append(_where(fw, backend, cfg, tokens, mode, compiled)
+                                                       | {"reason": skip})
+    return points
+
+
+class SlowSeries:
+    """Skips the larger token counts of a series (framework, config, backend, variant, mode) that got too slow:
+    once a point took longer than ``limit`` s to warm up and time, or, for a variant that recompiles for every
+    new routing, once the last point's time scaled by the experts hit would exceed it."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self.reasons: dict[tuple, str] = {}
+        self.last: dict[tuple, tuple[int, float, float]] = {}  # key -> tokens, run_s, hits
+
+    def reason(self, key: tuple, hits: float, recompiles: bool) -> str | None:
+        if key not in self.reasons and recompiles and key in self.last:
+            tokens, run_s, last_hits = self.last[key]
+            predicted = run_s * hits / last_hits
+            if predicted > self.limit:
+                self.reasons[key] = (f"too slow: ~{predicted:.0f} s to warm up and time, extrapolated by the "
+                                     f"experts hit from T={tokens} ({run_s:.1f} s, {last_hits:.1f} hit; un-jitted ops "
+                                     f"compile for each new expert row count), limit {self.limit:g} s "
+                                     f"(--max-point-s)")
+        return self.reasons.get(key)
+
+    def record(self, key: tuple, tokens: int, run_s: float, hits: float) -> None:
+        self.last[key] = (tokens, run_s, hits)
+        if run_s > self.limit:
+            self.reasons[key] = (f"too slow: T={tokens} took {run_s:.0f} s to warm up and time (compilation "
+                                 f"excluded), limit {self.limit:g} s (--max-point-s)")
+
+
+def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> Results:
+    """Every planned point; ``checkpoint`` is called with the results so far after each one."""
+    dtype = getattr(torch, opts.dtype)
+    peaks = roofline.measure_peaks(opts.device, dtype)
+    results = Results(peaks)
+    runners = {fw: RUNNERS[fw](opts.device) for fw in opts.frameworks}
+    points = _plan(opts, runners, peaks, results)
+    references: dict[tuple[str, int], np.ndarray] = {}
+    slow = SlowSeries(opts.max_point_s)
+    bar = progress(len(points))
+    try:
+        for fw, runner in runners.items():
+            for cfg in opts.configs:
+                mine = [p for p in points if p.framework == fw and p.cfg == cfg]
+                if not mine:
+                    continue
+                weights = inputs.make_weights(cfg, dtype, opts.device, opts.seed)
+                for tokens in sorted({p.tokens for p in mine}):
+                    here = [p for p in mine if p.tokens == tokens]
+                    sets = inputs.make_sets(cfg, tokens, dtype, opts.device, opts.seed, opts.n_sets)
+                    if (cfg.name, tokens) not in references:
+                        references[cfg.name, tokens] = inputs.reference(weights, sets[0])
+                    hits = statistics.fmean(s.hit_experts for s in sets)
+                    try:
+                        runner.load(weights, sets)
+                    except Exception as err:  # noqa: BLE001  (reported for each point; --fail-fast re-raises)
+                        if opts.fail_fast:
+                            raise
+                        _fail(here, err, "loading the inputs", results, bar)
+                        bar.update(len(here))
+                        continue
+                    del sets
+                    for p in here:
+                        bar.set_description(f"{cfg.name} {series(fw, p.backend, p.compiled, p.mode)} T={tokens}")
+                        key = (fw, cfg.name, p.backend, p.compiled, p.mode)
+                        reason = slow.reason(key, hits, runner.recompiles_per_routing(p.compiled))
+                        if reason is not None:
+                            results.skipped.append(_where(fw, p.backend, cfg, tokens, p.mode, p.compiled)
+                                                   | {"reason": reason})
+                        else:
+                            run_s = _run_point(p, runner, opts, peaks, hits, itemsize=dtype.itemsize,
+                                               reference=references[cfg.name, tokens], results=results, bar=bar)
+                            if run_s is not None:
+                                slow.record(key, tokens, run_s, hits)
+                            if checkpoint is not None:
+                                checkpoint(results)
+                        bar.update(1)
+                    runner.release()
+                del weights
+                runner.release()
+    finally:
+        bar.close()
+    return results
+
+
+def _fail(points: Sequence[Point], err: Exception, doing: str, results: Results, bar) -> None:
+    message = f"{doing}: {type(err).__name__}: {err}"
+    for p in points:
+        results.errors.append(_where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.compiled)
+                              | {"error": message})
+        bar.write(f"ERROR {p.cfg.name} {series(p.framework, p.backend, p.compiled, p.mode)} T={p.tokens}: {message}")
+    bar.write(traceback.format_exc(limit=-4))
+
+
+def _run_point(p: Point, runner: Runner, opts: Options, peaks: roofline.Peaks, hits: float, *, itemsize: int,
+               reference: np.ndarray, results: Results, bar) -> float | None:
+    """Measure one point into ``results``; its ``run_s``, or None if it failed."""
+    where = _where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.compiled)
+    try:
+        m = runner.measure(p.backend, p.mode, p.compiled, opts.compile_mode, opts.n_sets, opts.timing)
+    except Exception as err:  # noqa: BLE001  (reported per point; --fail-fast re-raises)
+        if opts.fail_fast:
+            raise
+        if runner.is_out_of_memory(err):
+            lines = str(err).splitlines() or [type(err).__name__]
+            detail = next((line for line in lines if "memory" in line.lower()), lines[0]).strip()
+            results.skipped.append(where | {"reason": f"out of memory: {detail[:200]}"})
+            return None
+        _fail([p], err, "measuring", results, bar)
+        return None
+    cfg = p.cfg
+    n_flops = roofline.flops(p.tokens, cfg.hidden, cfg.intermediate, cfg.top_k, p.mode)
+    n_bytes = roofline.bytes_moved(p.tokens, cfg.hidden, cfg.intermediate, hits, itemsize, p.mode)
+    ms = m.median_ms
+    results.records.append({
+        "framework": p.framework, "backend": p.backend, "config": cfg.name, "hidden": cfg.hidden,
+        "intermediate": cfg.intermediate, "experts": cfg.experts, "top_k": cfg.top_k, "tokens": p.tokens,
+        "dtype": opts.dtype, "mode": p.mode, "compiled": p.compiled, "ms": ms,
+        "floor_ms": roofline.floor_ms(n_flops, n_bytes, peaks.tflops, peaks.tbs),
+        "tflops": n_flops / (ms * 1e-3) / 1e12, "peak_mem_gib": m.peak_mem_gib,
+        "rel_err": relative_l2(m.output, reference),
+    })
+    return m.run_s
+
+
+def default_memory_budget(device: torch.device) -> float:
+    """85% of the GPU's memory; half the available RAM on CPU."""
+    if device.type == "cuda":
+        return 0.85 * torch.cuda.get_device_properties(device).total_memory
+    return 0.5 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
