@@ -40,6 +40,9 @@ def _record(results, kind, name, fn):
                         "trace": traceback.format_exc()[-1500:]})
 
 
+QUICK = False  # --quick: bfloat16/float32 vectors, the declared bfloat16 compile entries, one undeclared
+
+
 def torch_checks(results):
     import torch
     import moe_torch
@@ -90,7 +93,9 @@ def torch_checks(results):
         if not c:
             continue
         for mode in all_modes:
-            for dtype in c.dtypes:
+            if QUICK and mode not in ("default", "reduce-overhead"):
+                continue
+            for dtype in (["bfloat16"] if QUICK else c.dtypes):
                 kind = "torch-compile-declared" if mode in c.modes else "torch-compile-undeclared"
                 _record(results, kind, f"{name}/{mode}/{dtype}/fullgraph={c.fullgraph}",
                         lambda n=name, m=mode, d=dtype, f=c.fullgraph: compiled(n, m, d, f))
@@ -170,7 +175,11 @@ def jax_checks(results):
         return {"worst_rel_l2": worst, "platform": jax.default_backend()}
 
     for backend in SPEC.backend_names("jax"):
+        if QUICK and backend not in ("grouped_mm", "batched_mm"):
+            continue
         for case in CASES:
+            if QUICK and case.dtype != "bfloat16":
+                continue
             _record(results, "jax-vector", f"{backend}/{case.name}", lambda c=case, b=backend: vector(c, b))
 
     def kernel():
@@ -187,7 +196,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--frameworks", default="torch,jax")
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    global QUICK
+    QUICK = args.quick
     results = []
     meta = {"python": platform.python_version()}
     if "torch" in args.frameworks:
