@@ -11,6 +11,10 @@ from .base import Slots, combine, gate
 from .grouped_matmul import grouped_matmul
 
 
+def _with_zero_row(a):
+    return jnp.concatenate([a, jnp.zeros((1, a.shape[1]), a.dtype)])
+
+
 def sorted_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                            activation, gate_up_bias, down_bias, kernels: Mapping[str, str]):
     E, H, I = down_proj.shape
@@ -19,17 +23,17 @@ def sorted_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_pr
     order = jnp.argsort(key, stable=True)
     sorted_ids = key[order]
     group_sizes = jnp.zeros(E, jnp.int32).at[key].add(1, mode="drop")
-    live = (sorted_ids < E)[:, None]
-    safe_ids = jnp.minimum(sorted_ids, E - 1)
 
-    x = jnp.where(live, hidden_states.astype(gate_up_proj.dtype)[order // slots.k], 0)
+    # Empty slots sort last (id E), past every group. They gather an appended zero token row (index T) and zero
+    # bias rows (index E), so whatever a kernel leaves in their rows only reaches the appended rows' gradients,
+    # which are dropped; the combine zeroes their outputs exactly.
+    token = jnp.where(sorted_ids < E, order // slots.k, slots.T)
+    x = _with_zero_row(hidden_states.astype(gate_up_proj.dtype))[token]
     h = grouped_matmul(x, gate_up_proj, group_sizes, kernels=kernels)
     if gate_up_bias is not None:
-        h = h + gate_up_bias[safe_ids]
-    a = gate(activation, jnp.where(live, h, 0), I)
-    y = grouped_matmul(a, down_proj, group_sizes, kernels=kernels)
+        h = h + _with_zero_row(gate_up_bias)[sorted_ids]
+    y = grouped_matmul(gate(activation, h, I), down_proj, group_sizes, kernels=kernels)
     if down_bias is not None:
-        y = y + down_bias[safe_ids]
-    y = jnp.where(live, y, 0)
+        y = y + _with_zero_row(down_bias)[sorted_ids]
     restore = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return combine(y[restore], slots, top_k_weights, hidden_states.dtype)

@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a top-level folder, not installed
-
-from bench import budget, crossover, roofline  # noqa: E402
-from bench.__main__ import main  # noqa: E402
-from bench.configs import CONFIGS, get_configs, parse_tokens  # noqa: E402
-from bench.progress import progress  # noqa: E402
-from bench.report import META_KEYS, RECORD_KEYS  # noqa: E402
-from moe_shared import load_spec  # noqa: E402
+from bench import budget, crossover, roofline
+from bench.__main__ import main
+from bench.configs import CONFIGS, get_configs, parse_tokens
+from bench.progress import progress
+from bench.report import META_KEYS, RECORD_KEYS
+from moe_shared import load_spec
 
 SPEC = load_spec()
 RECORD_TYPES = {

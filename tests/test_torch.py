@@ -366,3 +366,32 @@ def test_matches_transformers_qwen3_moe_experts(backend, dtype):
     out = ours(x, idx, w.to(DTYPES[dtype]))
     err = (out.double() - expected.double()).norm() / expected.double().norm()
     assert err <= SPEC.tolerance_for(dtype), f"{err:.2e}"
+
+
+class _PoisonedGroupedLinear(torch.autograd.Function):
+    """The grouped matmul with NaN in every row past offs[-1], forward and input gradient: what a native kernel may
+    leave there (uninitialized memory)."""
+
+    @staticmethod
+    def forward(ctx, a, w, offs):
+        ctx.save_for_backward(a, w, offs)
+        y = grouped_mm_backend.grouped_mm_loop(a, w, offs)
+        return y.masked_fill((torch.arange(a.shape[0]) >= offs[-1])[:, None], float("nan"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, w, offs = ctx.saved_tensors
+        grad_a, grad_w = grouped_mm_backend.grouped_mm_loop_backward(grad.contiguous(), a, w, offs)
+        return grad_a.masked_fill((torch.arange(a.shape[0]) >= offs[-1])[:, None], float("nan")), grad_w, None
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if (c.inputs["top_k_index"] == -1).any()], ids=case_id)
+def test_grouped_mm_is_exact_whatever_the_rows_past_the_offsets_hold(case, monkeypatch):
+    monkeypatch.setattr(grouped_mm_backend, "grouped_linear", _PoisonedGroupedLinear.apply)
+    tensors = to_torch(case.inputs, case.dtype, requires_grad=True)
+    out, grads = run(tensors, "grouped_mm", case.activation,
+                     grad_output=to_torch({"g": case.grad_output}, case.dtype)["g"])
+    assert_close("out", out.detach().float(), case.expected["out"], case.dtype)
+    for name, g in grads.items():
+        assert torch.isfinite(g).all(), name
+        assert_close(f"grad_{name}", g.float(), case.expected[f"grad_{name}"], case.dtype)

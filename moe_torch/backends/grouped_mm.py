@@ -97,6 +97,10 @@ def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     return grouped_mm_loop(a.contiguous(), w, offs)
 
 
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(1, t.shape[1])])
+
+
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
     E, H, I = down_proj.shape
@@ -104,19 +108,17 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     sorted_ids, order = torch.sort(torch.where(slots.valid, slots.ids, E), stable=True)
     experts = torch.arange(1, E + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # end of each expert's rows
-    live = (sorted_ids < E)[:, None]
-    safe_ids = sorted_ids.clamp(max=E - 1)
 
-    # Rows past offs[-1] (empty slots) are never written by the grouped matmul: masks keep them, and their
-    # gradients, out of every result.
-    x = torch.where(live, hidden_states.to(gate_up_proj.dtype)[order // slots.k], 0)
+    # Empty slots sort last (id E), past offs[-1], rows the grouped matmul never reads or writes. They gather an
+    # appended zero token row (index T) and zero bias rows (index E), so whatever those rows hold only ever reaches
+    # the appended rows' gradients, which are dropped; the combine zeroes their outputs exactly.
+    token = torch.where(sorted_ids < E, order // slots.k, slots.T)
+    x = _with_zero_row(hidden_states.to(gate_up_proj.dtype))[token]
     h = grouped_linear(x, gate_up_proj, offs)
     if gate_up_bias is not None:
-        h = h + gate_up_bias[safe_ids]
-    a = gate(activation, torch.where(live, h, 0), I)
-    y = grouped_linear(a.contiguous(), down_proj, offs)
+        h = h + _with_zero_row(gate_up_bias)[sorted_ids]
+    y = grouped_linear(gate(activation, h, I).contiguous(), down_proj, offs)
     if down_bias is not None:
-        y = y + down_bias[safe_ids]
-    y = torch.where(live, y, 0)
+        y = y + _with_zero_row(down_bias)[sorted_ids]
     restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return combine(y[restore], slots, top_k_weights, hidden_states.dtype)
