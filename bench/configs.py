@@ -19,6 +19,8 @@ class Config:
 
 CONFIGS = {c.name: c for c in (
     Config("tiny", 256, 128, 16, 4, tuple(2**i for i in range(9))),  # the CPU default: 1 .. 256 tokens
+    # Qwen3-MoE scaled down to the CPU (the shape of ../shared/FACTS.md's CPU baselines)
+    Config("qwen3-cpu", 1024, 384, 64, 8, (1, 4, 16, 64, 256, 1024, 2048)),
     Config("qwen3-30b-a3b", 2048, 768, 128, 8),
     Config("mixtral-8x7b", 4096, 14336, 8, 2),
     Config("deepseek-v3", 7168, 2048, 256, 8),

@@ -6,8 +6,9 @@ zero in the result. Two kernels, chosen per platform when the program is lowered
 
 - ``ragged_dot``: ``jax.lax.ragged_dot_general``; a real grouped kernel on GPU/TPU, a dense masked matmul over all
   experts on CPU (cost grows with E * S).
-- ``segment_loop``: a loop over the experts that received rows and, inside, over fixed-size blocks of their rows;
-  each block is one dense matmul with that expert's weights. Cost grows with S + E * block, never with E * S.
+- ``segment_loop``: a loop over the experts that received rows and, inside, over fixed-size blocks of their rows
+  (large blocks for the bulk, small ones for the tail); each block is one dense matmul with that expert's weights.
+  Cost grows with S + E * small block, never with E * S.
   Differentiated by its own VJP (the input gradient is again a segment loop, the weight gradient a blocked
   transposed product).
 """
@@ -24,10 +25,25 @@ from jax import lax
 _HIGHEST = lax.Precision.HIGHEST  # float32 stays float32 on every platform (no TF32)
 
 
-def block_rows(rows: int, experts: int) -> int:
-    """Rows per block of the segment loop: about the mean rows per expert, a power of two in [1, 512]."""
+def block_rows(rows: int, experts: int) -> tuple[int, ...]:
+    """Rows per block of the segment loop: about the mean rows per expert (a power of two in [1, 512]). Small
+    blocks are bound by reading the expert's weights, so one size covers a group in as few blocks as possible;
+    from 64 rows on, blocks are bound by compute and a quarter-size tail block keeps the padding of a group's
+    last block under a quarter of the bulk size."""
     mean = max(1, -(-rows // max(experts, 1)))
-    return int(min(512, 1 << (mean - 1).bit_length()))
+    bulk = int(min(512, 1 << (mean - 1).bit_length()))
+    return (bulk, bulk // 4) if bulk >= 64 else (bulk,)
+
+
+def _blocked(start, end, sizes, step, carry):
+    """Run ``step(row, size, carry) -> carry`` over [start, end) in blocks: every size but the last while a whole
+    block fits, the last size until ``end`` is covered (its final block may run past ``end``)."""
+    row = start
+    for i, size in enumerate(sizes):
+        last = i == len(sizes) - 1
+        fits = (lambda c, size=size: c[0] < end) if last else (lambda c, size=size: c[0] + size <= end)
+        row, carry = lax.while_loop(fits, lambda c, size=size: (c[0] + size, step(c[0], size, c[1])), (row, carry))
+    return carry
 
 
 def _contract(transpose_w: bool):
@@ -72,7 +88,7 @@ def _from_bits(a, dtype):
 def _segment_forward(x, w, group_sizes, transpose_w: bool):
     S, K = x.shape
     N = w.shape[1] if transpose_w else w.shape[2]
-    block = block_rows(S, w.shape[0])
+    sizes = block_rows(S, w.shape[0])
     hit, n_hit, starts, ends = _hit_experts(group_sizes)
     dims = _contract(transpose_w)
 
@@ -82,19 +98,19 @@ def _segment_forward(x, w, group_sizes, transpose_w: bool):
         e = hit[i]
         we = lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
 
-        def step(c):
-            row, out, xp = c
+        def step(row, size, c):
+            out, xp = c
             xp = lax.optimization_barrier(xp)
-            xb = lax.dynamic_slice(xp, (row, 0), (block, K))
+            xb = lax.dynamic_slice(xp, (row, 0), (size, K))
             yb = lax.dot_general(xb, we, dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
             # rows past this expert's end belong to later experts, which overwrite them afterwards
-            return row + block, lax.dynamic_update_slice(out, _to_bits(yb.astype(x.dtype)), (row, 0)), xp
+            return lax.dynamic_update_slice(out, _to_bits(yb.astype(x.dtype)), (row, 0)), xp
 
-        _, out, xp = lax.while_loop(lambda c: c[0] < ends[e], step, (starts[e], out, xp))
+        out, xp = _blocked(starts[e], ends[e], sizes, step, (out, xp))
         return i + 1, out, w, xp
 
-    out = jnp.zeros((S + block, N), _BITS[x.dtype.itemsize])
-    xp = jnp.pad(x, ((0, block), (0, 0)))
+    out = jnp.zeros((S + sizes[0], N), _BITS[x.dtype.itemsize])
+    xp = jnp.pad(x, ((0, sizes[0]), (0, 0)))
     out = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, out, w, xp))[1]
     return _from_bits(out[:S], x.dtype)
 
@@ -105,7 +121,7 @@ def _segment_weight_grad(dy, x, group_sizes, num_experts: int, transpose_w: bool
     At most min(E, S) experts have rows: their gradients are accumulated in a buffer of that many and scattered
     into the zero gradient once."""
     S = dy.shape[0]
-    block = block_rows(S, num_experts)
+    sizes = block_rows(S, num_experts)
     hit, n_hit, starts, ends = _hit_experts(group_sizes)
     a, b = (dy, x) if transpose_w else (x, dy)
     shape = (num_experts, a.shape[1], b.shape[1])
@@ -117,22 +133,21 @@ def _segment_weight_grad(dy, x, group_sizes, num_experts: int, transpose_w: bool
         ap, bp = lax.optimization_barrier((ap, bp))
         e = hit[i]
 
-        def step(c):
-            row, acc, ap, bp = c
+        def step(row, size, c):
+            acc, ap, bp = c
             ap, bp = lax.optimization_barrier((ap, bp))
-            live = (row + jnp.arange(block) < ends[e])[:, None]
-            ab = jnp.where(live, lax.dynamic_slice(ap, (row, 0), (block, ap.shape[1])), 0)
-            bb = lax.dynamic_slice(bp, (row, 0), (block, bp.shape[1]))
+            live = (row + jnp.arange(size) < ends[e])[:, None]
+            ab = jnp.where(live, lax.dynamic_slice(ap, (row, 0), (size, ap.shape[1])), 0)
+            bb = lax.dynamic_slice(bp, (row, 0), (size, bp.shape[1]))
             acc = acc + lax.dot_general(ab, bb, (((0,), (0,)), ((), ())), precision=_HIGHEST,
                                         preferred_element_type=jnp.float32)
-            return row + block, acc, ap, bp
+            return acc, ap, bp
 
-        init = (starts[e], jnp.zeros(shape[1:], jnp.float32), ap, bp)
-        _, acc, ap, bp = lax.while_loop(lambda c: c[0] < ends[e], step, init)
+        acc, ap, bp = _blocked(starts[e], ends[e], sizes, step, (jnp.zeros(shape[1:], jnp.float32), ap, bp))
         grads = lax.dynamic_update_index_in_dim(grads, _to_bits(acc.astype(x.dtype)), i, 0)
         return i + 1, grads, ap, bp
 
-    pad = ((0, block), (0, 0))
+    pad = ((0, sizes[0]), (0, 0))
     grads = jnp.zeros((capacity, *shape[1:]), bits)
     grads = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, grads, jnp.pad(a, pad), jnp.pad(b, pad)))[1]
     targets = jnp.where(jnp.arange(capacity) < n_hit, hit[:capacity], num_experts)
