@@ -118,8 +118,8 @@ def _segment_forward(x, w, group_sizes, transpose_w: bool):
 def _segment_weight_grad(dy, x, group_sizes, num_experts: int, transpose_w: bool):
     """dw[e] = dy[rows]^T x[rows] ([E, N, K]) if transpose_w, else x[rows]^T dy[rows] ([E, K, N]).
 
-    At most min(E, S) experts have rows: their gradients are accumulated in a buffer of that many and scattered
-    into the zero gradient once."""
+    At most min(E, S) experts have rows: their gradients are accumulated in a buffer of that many, then gathered
+    into the [E, ...] gradient."""
     S = dy.shape[0]
     sizes = block_rows(S, num_experts)
     hit, n_hit, starts, ends = _hit_experts(group_sizes)
@@ -150,8 +150,12 @@ def _segment_weight_grad(dy, x, group_sizes, num_experts: int, transpose_w: bool
     pad = ((0, sizes[0]), (0, 0))
     grads = jnp.zeros((capacity, *shape[1:]), bits)
     grads = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, grads, jnp.pad(a, pad), jnp.pad(b, pad)))[1]
-    targets = jnp.where(jnp.arange(capacity) < n_hit, hit[:capacity], num_experts)
-    return _from_bits(jnp.zeros(shape, bits).at[targets].set(grads, mode="drop"), x.dtype)
+    # one pass writes the whole gradient: expert e takes its accumulated slab, or an appended zero slab
+    filled = jnp.arange(capacity, dtype=jnp.int32)
+    targets = jnp.where(filled < n_hit, hit[:capacity], num_experts)
+    slab = jnp.full((num_experts,), capacity, jnp.int32).at[targets].set(filled, mode="drop")
+    grads = jnp.concatenate([grads, jnp.zeros((1, *shape[1:]), bits)])
+    return _from_bits(grads[slab], x.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
