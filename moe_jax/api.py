@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 
 import jax
@@ -27,20 +26,8 @@ _ARGS = ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_
 
 def check_requirements(implementation: str, platform: str, dtype) -> None:
     """Raise if the backend cannot run here: ImportError names the pip extra, RuntimeError the hardware."""
-    support = BACKENDS.capability(implementation)
-    if support is None:
-        return
-    for package, extra in support.requires.packages.items():
-        if importlib.util.find_spec(package) is None:
-            raise ImportError(f"implementation {implementation!r} needs the package {package!r}: "
-                              f"pip install 'moe-experts[{extra}]'")
-    if device_class(platform) not in support.devices:
-        raise RuntimeError(f"implementation {implementation!r} runs on {list(support.devices)}, "
-                           f"got the {platform} platform")
-    name = jnp.dtype(dtype).name
-    if name not in support.dtypes:
-        raise ValueError(f"gate_up_proj: implementation {implementation!r} supports dtypes {list(support.dtypes)}, "
-                         f"got dtype {name}")
+    BACKENDS.check(implementation, device_class=device_class(platform), where=f"the {platform} platform",
+                   dtype=jnp.dtype(dtype).name)
 
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
@@ -83,13 +70,4 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
 def available_backends(platform: str | None = None) -> dict[str, str | None]:
     """Every registered backend -> None if it can run on ``platform`` (default: JAX's default), else why not."""
     platform = platform or jax.default_backend()
-    reasons = {}
-    for name in BACKENDS:
-        support = BACKENDS.capability(name)
-        dtype = jnp.bfloat16 if support is None or "bfloat16" in support.dtypes else jnp.float32
-        try:
-            check_requirements(name, platform, dtype)
-            reasons[name] = None
-        except (ImportError, RuntimeError, ValueError) as err:
-            reasons[name] = str(err)
-    return reasons
+    return BACKENDS.availability(lambda name, dtype: check_requirements(name, platform, dtype))

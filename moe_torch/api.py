@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -21,26 +20,14 @@ _TENSOR_ARGS = ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj",
                 "down_bias")
 
 
-def check_requirements(implementation: str, device: torch.device, dtype: torch.dtype) -> None:
+def check_requirements(implementation: str, device: torch.device, dtype: torch.dtype | str) -> None:
     """Raise if the backend cannot run here: ImportError names the pip extra, RuntimeError the hardware."""
-    support = ExpertsInterface.capability(implementation)
-    if support is None:  # a user backend without a declared capability
-        return
-    for package, extra in support.requires.packages.items():
-        if importlib.util.find_spec(package) is None:
-            raise ImportError(f"implementation {implementation!r} needs the package {package!r}: "
-                              f"pip install 'moe-experts[{extra}]'")
+    device = torch.device(device)
     where = device_class(device)
-    if where not in support.devices:
-        raise RuntimeError(f"implementation {implementation!r} runs on {list(support.devices)}, "
-                           f"got a tensor on {device}")
-    cc = support.requires.compute_capability
-    if cc is not None and where == "cuda" and torch.cuda.get_device_capability(device) < cc:
-        raise RuntimeError(f"implementation {implementation!r} needs CUDA compute capability >= {cc[0]}.{cc[1]}, "
-                           f"got {'.'.join(map(str, torch.cuda.get_device_capability(device)))} on {device}")
-    if dtype_name(dtype) not in support.dtypes:
-        raise ValueError(f"gate_up_proj: implementation {implementation!r} supports dtypes {list(support.dtypes)}, "
-                         f"got dtype {dtype_name(dtype)}")
+    ExpertsInterface.check(
+        implementation, device_class=where, where=f"a tensor on {device}",
+        dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
+        compute_capability=torch.cuda.get_device_capability(device) if where == "cuda" else None)
 
 
 def experts_forward(
@@ -93,15 +80,4 @@ def experts_forward(
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:
     """Every registered backend -> None if it can run on ``device``, else the reason it cannot."""
-    device = torch.device(device)
-    reasons = {}
-    for name in ExpertsInterface:
-        support = ExpertsInterface.capability(name)
-        dtype = torch.bfloat16 if support is None or "bfloat16" in support.dtypes else torch.float32
-        try:
-            check_requirements(name, device, dtype)
-            reasons[name] = None
-        except (ImportError, RuntimeError, ValueError) as err:
-            reasons[name] = str(err)
-    return reasons
-
+    return ExpertsInterface.availability(lambda name, dtype: check_requirements(name, torch.device(device), dtype))

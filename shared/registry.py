@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 
 from .spec import FrameworkSupport, load_spec
@@ -59,3 +60,39 @@ class BackendRegistry(Mapping[str, Callable]):
 
     def __repr__(self) -> str:
         return f"BackendRegistry({self.framework!r}, {sorted(self._functions)})"
+
+    def check(self, name: str, *, device_class: str, where: str, dtype: str,
+              compute_capability: tuple[int, int] | None = None) -> None:
+        """Raise if backend ``name`` cannot run on ``device_class`` (described as ``where`` in messages) with
+        weights of ``dtype``: ImportError names the pip extra, RuntimeError the hardware, ValueError the dtype.
+        ``compute_capability`` is the CUDA device's, where there is one."""
+        support = self.capability(name)
+        if support is None:  # a user backend without a declared capability
+            return
+        for package, extra in support.requires.packages.items():
+            if importlib.util.find_spec(package) is None:
+                raise ImportError(f"implementation {name!r} needs the package {package!r}: "
+                                  f"pip install 'moe-experts[{extra}]'")
+        if device_class not in support.devices:
+            raise RuntimeError(f"implementation {name!r} runs on {list(support.devices)}, got {where}")
+        needed = support.requires.compute_capability
+        if needed is not None and compute_capability is not None and tuple(compute_capability) < tuple(needed):
+            raise RuntimeError(f"implementation {name!r} needs CUDA compute capability >= {needed[0]}.{needed[1]}, "
+                               f"got {compute_capability[0]}.{compute_capability[1]} on {where}")
+        if dtype not in support.dtypes:
+            raise ValueError(f"gate_up_proj: implementation {name!r} supports dtypes {list(support.dtypes)}, "
+                             f"got dtype {dtype}")
+
+    def availability(self, check: Callable[[str, str], None]) -> dict[str, str | None]:
+        """Every backend -> None if ``check(name, dtype)`` passes for its preferred dtype (bfloat16 where
+        declared), else the reason it raised."""
+        reasons = {}
+        for name in self:
+            support = self.capability(name)
+            dtype = "bfloat16" if support is None or "bfloat16" in support.dtypes else support.dtypes[0]
+            try:
+                check(name, dtype)
+                reasons[name] = None
+            except (ImportError, RuntimeError, ValueError) as err:
+                reasons[name] = str(err)
+        return reasons

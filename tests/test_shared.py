@@ -224,3 +224,27 @@ def test_readme_tables_are_rendered_from_the_spec():
     import dataclasses
     changed = dataclasses.replace(load_spec(), tolerance={"float32": 3e-6})
     assert render_into(readme, changed) != readme  # a stale table would be caught
+
+
+def test_registry_checks_requirements_as_declared():
+    from moe_shared.registry import BackendRegistry
+    from moe_shared.spec import FrameworkSupport, Requirements
+    registry = BackendRegistry("torch")
+    hopper = FrameworkSupport("torch", ("cuda",), ("bfloat16",), (), Requirements(compute_capability=(9, 0)))
+    registry.register("hopper_only", lambda *a, **k: None, capability=hopper)
+    registry.register("undeclared", lambda *a, **k: None)
+    kw = dict(device_class="cuda", where="cuda:0", dtype="bfloat16")
+    registry.check("hopper_only", **kw, compute_capability=(9, 0))
+    with pytest.raises(RuntimeError, match=r"needs CUDA compute capability >= 9.0, got 8.0 on cuda:0"):
+        registry.check("hopper_only", **kw, compute_capability=(8, 0))
+    with pytest.raises(RuntimeError, match=r"runs on \['cuda'\], got a cpu tensor"):
+        registry.check("hopper_only", device_class="cpu", where="a cpu tensor", dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"supports dtypes \['bfloat16'\], got dtype float32"):
+        registry.check("hopper_only", **kw | {"dtype": "float32"}, compute_capability=(9, 0))
+    registry.check("undeclared", device_class="tpu", where="tpu", dtype="float64")  # nothing declared to check
+    reasons = registry.availability(lambda name, dtype: registry.check(name, **kw, compute_capability=(8, 6)))
+    assert reasons["undeclared"] is None and "compute capability" in reasons["hopper_only"]
+    registry.unregister("undeclared")
+    assert "undeclared" not in registry
+    with pytest.raises(ValueError, match="expected one of the registered torch backends"):
+        registry["undeclared"]
