@@ -34,14 +34,6 @@ class Case:
     grad_output: np.ndarray = field(repr=False)
     expected: dict[str, np.ndarray] = field(repr=False)  # "out" and "grad_<argument>"
 
-    def kwargs(self) -> dict[str, np.ndarray]:
-        """Keyword arguments of experts_forward (biases only where the case has them)."""
-        return {k: v for k, v in self.inputs.items()}
-
-
-def load_manifest() -> dict:
-    return json.loads(MANIFEST.read_text())
-
 
 def load_cases(directory: Path = VECTORS_DIR) -> list[Case]:
     manifest = json.loads((directory / "manifest.json").read_text())
