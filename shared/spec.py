@@ -39,6 +39,15 @@ class FrameworkSupport:
     compile: CompileSupport | None = None  # torch only
     jit: bool | None = None  # jax only
     details: Mapping[str, Any] = field(default_factory=dict)  # backend-specific data (kernels, ...)
+    activations: tuple[str, ...] | None = None  # named activations only; None: every contract one and callables
+
+    def check_activation(self, backend: str, activation) -> None:
+        """Raise ValueError if this backend cannot take ``activation`` (a name or a callable gate)."""
+        if self.activations is None or (isinstance(activation, str) and activation in self.activations):
+            return
+        got = f"the callable {getattr(activation, '__name__', type(activation).__name__)}" if callable(activation) \
+            else repr(activation)
+        raise ValueError(f"activation: implementation {backend!r} takes one of {list(self.activations)}, got {got}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,7 @@ class Spec:
         return int(self.decode_max_slots.get(framework, {}).get(device_class, 0))
 
 
-_KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit"}
+_KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit", "activations"}
 
 
 def _support(framework: str, raw: Mapping[str, Any]) -> FrameworkSupport:
@@ -100,6 +109,7 @@ def _support(framework: str, raw: Mapping[str, Any]) -> FrameworkSupport:
         ),
         compile=CompileSupport(bool(comp["fullgraph"]), tuple(comp["modes"]), tuple(comp["dtypes"])) if comp else None,
         jit=raw.get("jit"),
+        activations=tuple(raw["activations"]) if "activations" in raw else None,
         details=MappingProxyType({k: v for k, v in raw.items() if k not in _KNOWN_SUPPORT_KEYS}),
     )
 
