@@ -76,3 +76,9 @@ BAD_INPUT_IDS = [f"{arg}-{i}" for i, (arg, *_) in enumerate(BAD_INPUTS)]
 def good_arrays():
     """A small valid problem (T=4, H=8, I=4, E=3, k=2, biases) for the bad-input tests."""
     return random_case(2, T=4, H=8, I=4, E=3, k=2, bias=True)[0]
+
+
+def cpu_backends(framework: str) -> list[str]:
+    """The backends the spec declares for CPU in ``framework``; GPU-only ones have their own tests (requirement
+    errors here, the kernels under the Triton interpreter or on the device)."""
+    return [n for n in SPEC.backend_names(framework) if "cpu" in SPEC.backends[n].support(framework).devices]

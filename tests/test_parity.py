@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from moe_shared import reference, relative_l2
-from support import SPEC, random_case
+from support import SPEC, cpu_backends, random_case
 from test_jax import forward_and_grads, to_jax
 from test_torch import run, to_torch
 
-SHARED = sorted(set(SPEC.backend_names("torch")) & set(SPEC.backend_names("jax")))
+SHARED = sorted(set(cpu_backends("torch")) & set(cpu_backends("jax")))
 CASES = {
     "T0": dict(T=0, H=16, I=8, E=4, k=2, bias=True),
     "T1": dict(T=1, H=16, I=8, E=4, k=2, bias=False),

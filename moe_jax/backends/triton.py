@@ -1,0 +1,153 @@
+"""triton (JAX): the fused MoE Triton kernels of ``moe_shared.kernels``, the same ones moe_torch launches.
+
+Each step of the shared launch plans (``moe_shared.kernels.plan``) is one ``jax_triton.triton_call`` on XLA's
+stream; the forward, the input gradients and the weight gradients are separate calls inside one ``jax.custom_vjp``
+(``triton_call`` itself has no autodiff). Works under ``jax.jit``; every size is static there, so the plan (grids,
+tile configs) is fixed when the program is traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from functools import cache, partial
+
+import jax
+import jax.numpy as jnp
+
+from moe_shared import load_spec
+from moe_shared.kernels import plan as plans
+
+NAME = "triton"
+SUPPORT = load_spec().backends[NAME].support("jax")
+
+Launcher = Callable[[object, plans.Step, list, list], list]
+"""(kernel, step, arguments, output ShapeDtypeStructs) -> output arrays."""
+
+
+@cache
+def _jax_triton():
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton  # 0.3.1 sets TRITON_CACHE_DIR="" on import, which turns off triton's compile cache
+    if saved is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = saved
+    return jax_triton
+
+
+def jax_triton_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
+    return _jax_triton().triton_call(
+        *args, kernel=kernel, out_shape=out_shapes, grid=(step.grid,), num_warps=step.num_warps,
+        num_stages=step.num_stages, zeroed_outputs=step.zeroed, **step.constants)
+
+
+_launcher: Launcher = jax_triton_launch
+
+
+@contextlib.contextmanager
+def use_launcher(launcher: Launcher) -> Iterator[None]:
+    """Launch the kernels through ``launcher`` inside the block (the tests run them under the Triton interpreter
+    this way); the default is ``jax_triton.triton_call``."""
+    global _launcher
+    previous, _launcher = _launcher, launcher
+    try:
+        yield
+    finally:
+        _launcher = previous
+
+
+def _kernels():
+    from moe_shared.kernels import moe  # imports triton
+    return moe
+
+
+def _device_name() -> str:
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else device.platform
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation) -> plans.Problem:
+    E, H, I = down_proj.shape
+    return plans.Problem(
+        T=x.shape[0], H=H, I=I, E=E, k=top_k_index.shape[1], activation=activation,
+        dtype=jnp.dtype(gate_up_proj.dtype).name, gate_up_strides=_contiguous_strides(gate_up_proj.shape),
+        down_strides=_contiguous_strides(down_proj.shape),
+        gate_up_bias_stride=None if gate_up_bias is None else gate_up_bias.shape[1],
+        down_bias_stride=None if down_bias is None else down_bias.shape[1], device=_device_name())
+
+
+def run_plan(plan: plans.Plan, env: dict, dtypes: dict | None = None) -> dict:
+    """Launch every step of ``plan`` on the arrays of ``env`` (buffer name -> array); returns ``env`` with the
+    buffers the steps created. A step with an empty grid (no tokens) gives zeros. ``dtypes`` maps the plan's dtype
+    roles to JAX dtypes (default: from the experts inputs in ``env``)."""
+    dtypes = {plans.FLOAT32: jnp.float32, plans.INT32: jnp.int32} | (dtypes or {
+        plans.WEIGHTS: env["gate_up"].dtype, plans.HIDDEN: env["x"].dtype, plans.ROUTING: env["w"].dtype})
+    kernels = _kernels() if any(step.grid for step in plan.steps) else None
+    for step in plan.steps:
+        shapes = [jax.ShapeDtypeStruct(b.shape, dtypes[b.dtype]) for b in step.outputs]
+        if step.grid:
+            args = [env[a] if isinstance(a, str) else a for a in step.inputs]
+            outputs = _launcher(getattr(kernels, step.kernel), step, args, shapes)
+        else:
+            outputs = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+        env.update((b.name, out) for b, out in zip(step.outputs, outputs))
+    return env
+
+
+def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict:
+    env = {"x": x, "ids": ids.reshape(-1), "w": w.reshape(-1), "gate_up": gate_up, "down": down}
+    if gate_up_bias is not None:
+        env["gate_up_bias"] = gate_up_bias
+    if down_bias is not None:
+        env["down_bias"] = down_bias
+    return env
+
+
+def _run_forward(args, activation: str, training: bool):
+    plan = plans.forward_plan(problem_of(*args[:2], *args[3:], activation), training=training)
+    env = run_plan(plan, _inputs(*args))
+    return env[plan.output].astype(args[0].dtype), tuple(env[n] for n in plan.residuals)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _experts(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+    return _run_forward((x, ids, w, gate_up, down, gate_up_bias, down_bias), activation, training=False)[0]
+
+
+def _experts_fwd(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+    args = (x, ids, w, gate_up, down, gate_up_bias, down_bias)
+    out, residuals = _run_forward(args, activation, training=True)
+    return out, (args, residuals)
+
+
+def _experts_bwd(activation, saved, dout):
+    args, residuals = saved
+    x, ids, w, gate_up, down, gate_up_bias, down_bias = args
+    plan = plans.backward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
+    forward = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation),
+                                 training=True)
+    env = _inputs(*args) | dict(zip(forward.residuals, residuals)) | {"dout": dout}
+    env = run_plan(plan, env)
+    grads = {arg: env.get(buffer) for arg, buffer in plans.GRADIENTS.items()}
+    return (grads["hidden_states"], None, grads["top_k_weights"].reshape(w.shape), grads["gate_up_proj"],
+            grads["down_proj"], grads["gate_up_bias"], grads["down_bias"])
+
+
+_experts.defvjp(_experts_fwd, _experts_bwd)
+
+
+def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
+                    activation="silu", gate_up_bias=None, down_bias=None):
+    SUPPORT.check_activation(NAME, activation)
+    return _experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                    activation)

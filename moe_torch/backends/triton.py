@@ -1,0 +1,166 @@
+"""triton: the fused MoE Triton kernels of ``moe_shared.kernels`` (the same ones moe_jax launches), as torch custom ops.
+
+The forward and backward run the shared launch plans (``moe_shared.kernels.plan``): a stable counting sort of the
+slots by expert on the device, the gate/up grouped GEMM with the token gather and the activation fused, the down
+grouped GEMM, and a deterministic per-token combine; a few slots at inference take the decode kernels (one GEMV
+per slot, the down projection and the combine fused). No host sync and a grid fixed by the shapes, so
+``torch.compile(fullgraph=True)`` and CUDA graphs take it as one opaque op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_shared import load_spec
+from moe_shared.kernels import plan as plans
+
+NAME = "triton"
+SUPPORT = load_spec().backends[NAME].support("torch")
+
+_DTYPE_ROLES = {"float32": torch.float32, "int32": torch.int32}
+
+
+def _kernels():
+    from moe_shared.kernels import moe  # imports triton
+    return moe
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation) -> plans.Problem:
+    E, H, I = down_proj.shape
+    return plans.Problem(
+        T=x.shape[0], H=H, I=I, E=E, k=top_k_index.shape[1], activation=activation,
+        dtype=str(gate_up_proj.dtype).removeprefix("torch."),
+        gate_up_strides=tuple(gate_up_proj.stride()), down_strides=tuple(down_proj.stride()),
+        gate_up_bias_stride=None if gate_up_bias is None else gate_up_bias.stride(0),
+        down_bias_stride=None if down_bias is None else down_bias.stride(0),
+        device=_device_name(x.device))
+
+
+def _dtypes(env) -> dict:
+    return _DTYPE_ROLES | {plans.WEIGHTS: env["gate_up"].dtype, plans.HIDDEN: env["x"].dtype,
+                           plans.ROUTING: env["w"].dtype}
+
+
+def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None = None) -> dict[str, torch.Tensor]:
+    """Launch every step of ``plan`` on the tensors of ``env`` (buffer name -> tensor); returns ``env`` with the
+    buffers the steps created. A step with an empty grid (no tokens) leaves its outputs as zeros. ``dtypes`` maps
+    the plan's dtype roles to torch dtypes (default: from the experts inputs in ``env``)."""
+    dtypes = _DTYPE_ROLES | (dtypes or _dtypes(env))
+    device = next(iter(env.values())).device
+    kernels = _kernels() if any(step.grid for step in plan.steps) else None
+    for step in plan.steps:
+        outputs = [(torch.zeros if (i in step.zeroed or not step.grid) else torch.empty)(
+            b.shape, dtype=dtypes[b.dtype], device=device) for i, b in enumerate(step.outputs)]
+        if step.grid:
+            args = [env[a] if isinstance(a, str) else a for a in step.inputs]
+            getattr(kernels, step.kernel)[(step.grid,)](*args, *outputs, num_warps=step.num_warps,
+                                                        num_stages=step.num_stages, **step.constants)
+        env.update((b.name, t) for b, t in zip(step.outputs, outputs))
+    return env
+
+
+def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torch.Tensor]:
+    env = {"x": x, "ids": ids.reshape(-1), "w": w.reshape(-1), "gate_up": gate_up, "down": down}
+    if gate_up_bias is not None:
+        env["gate_up_bias"] = gate_up_bias if gate_up_bias.stride(-1) == 1 else gate_up_bias.contiguous()
+    if down_bias is not None:
+        env["down_bias"] = down_bias if down_bias.stride(-1) == 1 else down_bias.contiguous()
+    return env
+
+
+def _problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation):
+    return problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation)
+
+
+@torch.library.custom_op("moe_torch::triton_experts", mutates_args=())
+def triton_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                   activation: str) -> torch.Tensor:
+    """The inference forward: [T, H] in x's dtype."""
+    plan = plans.forward_plan(_problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
+    env = run_plan(plan, _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias))
+    return env[plan.output].to(x.dtype)
+
+
+@triton_experts.register_fake
+def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+    return x.new_empty(x.shape[0], down.shape[1])
+
+
+_RESIDUALS = ("order", "counts", "starts", "preact", "y")
+
+
+@torch.library.custom_op("moe_torch::triton_experts_train", mutates_args=())
+def triton_experts_train(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                         activation: str) -> list[torch.Tensor]:
+    """The training forward: the output, then the residuals the backward reads (``_RESIDUALS``)."""
+    plan = plans.forward_plan(_problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation), training=True)
+    env = run_plan(plan, _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias))
+    return [env[plan.output]] + [env[name] for name in _RESIDUALS]
+
+
+def _fake_buffers(plan, names, dtypes, device):
+    return [torch.empty(plan.buffers[n].shape, dtype=dtypes[plan.buffers[n].dtype], device=device) for n in names]
+
+
+@triton_experts_train.register_fake
+def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+    plan = plans.forward_plan(_problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation), training=True)
+    dtypes = _dtypes({"x": x, "w": w, "gate_up": gate_up})
+    return _fake_buffers(plan, (plan.output,) + _RESIDUALS, dtypes, x.device)
+
+
+_GRADIENTS = ("dx", "dw", "d_gate_up", "d_down", "d_gate_up_bias", "d_down_bias")
+
+
+@torch.library.custom_op("moe_torch::triton_experts_backward", mutates_args=())
+def triton_experts_backward(dout: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                            gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                            down_bias: torch.Tensor | None, residuals: list[torch.Tensor],
+                            activation: str) -> list[torch.Tensor]:
+    """Gradients of x, the routing weights, both weights and the biases present (in ``_GRADIENTS`` order)."""
+    problem = _problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation)
+    env = _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) | dict(zip(_RESIDUALS, residuals))
+    env["dout"] = dout.contiguous()
+    env = run_plan(plans.backward_plan(problem), env)
+    return [env[n] for n in _GRADIENTS if n in env]
+
+
+@triton_experts_backward.register_fake
+def _(dout, x, ids, w, gate_up, down, gate_up_bias, down_bias, residuals, activation):
+    plan = plans.backward_plan(_problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
+    dtypes = _dtypes({"x": x, "w": w, "gate_up": gate_up})
+    return _fake_buffers(plan, [n for n in _GRADIENTS if n in plan.buffers], dtypes, x.device)
+
+
+def _setup_context(ctx, inputs, output):
+    x, ids, w, gate_up, down, gate_up_bias, down_bias, activation = inputs
+    ctx.activation = activation
+    ctx.has_bias = (gate_up_bias is not None, down_bias is not None)
+    ctx.save_for_backward(x, ids, w, gate_up, down, gate_up_bias, down_bias, *output[1:])
+
+
+def _backward(ctx, grads):
+    x, ids, w, gate_up, down, gate_up_bias, down_bias, *residuals = ctx.saved_tensors
+    dx, dw, d_gate_up, d_down, *bias_grads = triton_experts_backward(
+        grads[0], x, ids, w, gate_up, down, gate_up_bias, down_bias, residuals, ctx.activation)
+    d_gate_up_bias = bias_grads.pop(0) if ctx.has_bias[0] else None
+    d_down_bias = bias_grads.pop(0) if ctx.has_bias[1] else None
+    return dx, None, dw.view(w.shape), d_gate_up, d_down, d_gate_up_bias, d_down_bias, None
+
+
+triton_experts_train.register_autograd(_backward, setup_context=_setup_context)
+
+
+def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
+                    activation="silu", gate_up_bias=None, down_bias=None):
+    SUPPORT.check_activation(NAME, activation)
+    args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
+        return triton_experts_train(*args, activation)[0].to(hidden_states.dtype)
+    return triton_experts(*args, activation)

@@ -1,0 +1,5 @@
+"""Kernels written once for both frameworks.
+
+``moe``: the fused MoE Triton kernels (imports triton); ``plan``: which of them a forward or backward launches, with
+which tile configs (pure Python, read by both bindings); ``configs/<device>.json``: tuned tile configs per shape.
+"""

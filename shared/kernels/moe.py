@@ -1,0 +1,402 @@
+"""The fused MoE Triton kernels, written once for torch and JAX (this module imports only triton).
+
+Shape legend: T tokens, H hidden, I intermediate, E experts, k top-k, S = T*k routed slots (token-major: slot s
+belongs to token s // k). Rows "sorted" are slots in expert order: ``order[r]`` is the slot of sorted row r, and
+expert e owns the sorted rows ``starts[e] .. starts[e] + counts[e]``. An id outside [0, E) is an empty slot: it is
+never given a sorted row, never read and never written.
+
+Every kernel takes its arrays first (inputs, then run-time scalars, then outputs) and its tile sizes and shape
+constants as ``tl.constexpr`` keywords, the calling convention of ``jax_triton.triton_call``; the torch binding calls
+them the same way. None uses atomics except ``grouped_gemm_kernel`` with ``ACCUMULATE`` (the non-deterministic
+combine), so the same inputs give the same bits on every run and in both frameworks.
+"""
+
+import triton
+import triton.language as tl
+
+SILU, GELU, RELU = 0, 1, 2  # ACTIVATION codes
+PLAIN, GATED_FORWARD, GATED_BACKWARD = 0, 1, 2  # EPILOGUE codes
+
+
+@triton.jit
+def _expert_key(ids, E: tl.constexpr):
+    """The sort key of a slot: its expert, or E for an empty slot."""
+    return tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+
+
+@triton.jit
+def _activate(g, ACTIVATION: tl.constexpr):
+    if ACTIVATION == SILU:
+        out = g * tl.sigmoid(g)
+    elif ACTIVATION == GELU:
+        out = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    else:
+        out = tl.maximum(g, 0.0)
+    return out
+
+
+@triton.jit
+def _activate_with_grad(g, ACTIVATION: tl.constexpr):
+    """act(g) and d act / d g."""
+    if ACTIVATION == SILU:
+        sig = tl.sigmoid(g)
+        out = g * sig
+        grad = sig * (1.0 + g * (1.0 - sig))
+    elif ACTIVATION == GELU:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        out = g * cdf
+        grad = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    else:
+        out = tl.maximum(g, 0.0)
+        grad = (g > 0.0).to(tl.float32)
+    return out, grad
+
+
+# --- routing: a stable counting sort of the slots by expert, on the device ---------------------------------------
+
+@triton.jit
+def route_histogram_kernel(ids_ptr, S, hist_ptr, E: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr):
+    """hist[c, e]: slots of chunk c (CHUNK slots) routed to expert e; bin E counts the empty slots."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    live = offs < S
+    key = _expert_key(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    tl.store(hist_ptr + c * EB + tl.arange(0, EB), tl.histogram(key, EB, mask=live))
+
+
+@triton.jit
+def route_sort_kernel(ids_ptr, hist_ptr, S, order_ptr, counts_ptr, starts_ptr,
+                      E: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr, SINGLE_CHUNK: tl.constexpr):
+    """order[r]: the slot of sorted row r (stable: slots of one expert keep their order); counts[e]; starts[e]
+    (starts[E] = number of routed slots). With SINGLE_CHUNK (S <= CHUNK) ``hist`` is not read."""
+    c = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    offs = c * CHUNK + lane
+    live = offs < S
+    key = tl.where(live, _expert_key(tl.load(ids_ptr + offs, mask=live, other=-1), E), E + 1)
+    bins = tl.arange(0, EB)
+    own = tl.histogram(key, EB)
+    if SINGLE_CHUNK:
+        total = own
+        before = tl.zeros([EB], dtype=tl.int32)
+    else:
+        total = tl.zeros([EB], dtype=tl.int32)
+        before = tl.zeros([EB], dtype=tl.int32)
+        i = 0
+        while i < tl.cdiv(S, CHUNK):  # run-time loop bounds are while loops: the interpreter cannot index by them
+            h = tl.load(hist_ptr + i * EB + bins)
+            total += h
+            before += h * (i < c).to(tl.int32)
+            i += 1
+    expert_start = tl.cumsum(total, 0) - total
+    # sorted row of the chunk's p-th element in (key, slot) order: shift[key] + p
+    shift = expert_start + before - (tl.cumsum(own, 0) - own)
+    ordered = tl.sort(key * CHUNK + lane)
+    sorted_key = ordered // CHUNK
+    dest = tl.gather(shift, sorted_key, 0) + lane
+    tl.store(order_ptr + dest, c * CHUNK + ordered % CHUNK, mask=sorted_key < E)
+    if c == 0:
+        tl.store(counts_ptr + bins, total, mask=bins < E)
+        tl.store(starts_ptr + bins, expert_start, mask=bins <= E)
+
+
+@triton.jit
+def _locate_block(counts_ptr, starts_ptr, b, E: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr):
+    """Row block b of the expert-aligned layout (each expert's rows cut into blocks of BM): its expert (E past the
+    last block), its first row within the expert, the expert's row count and first sorted row."""
+    bins = tl.arange(0, EB)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    blocks = (counts + BM - 1) // BM
+    ends = tl.cumsum(blocks, 0)
+    e = tl.sum((ends <= b).to(tl.int32), 0)
+    first = tl.sum(tl.where(bins == e, ends - blocks, 0), 0)
+    count = tl.sum(tl.where(bins == e, counts, 0), 0)
+    start = tl.load(starts_ptr + tl.minimum(e, E))
+    return e, (b - first) * BM, count, start
+
+
+# --- grouped GEMM over sorted rows (forward projections and the input gradients) ---------------------------------
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, b_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
+    c_ptr, aux_ptr,
+    E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+    stride_am: tl.constexpr, stride_be: tl.constexpr, stride_bk: tl.constexpr, stride_bn: tl.constexpr,
+    stride_bias_e: tl.constexpr, stride_cm: tl.constexpr, GATE_OFFSET: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr, SCALE_A: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr,
+):
+    """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
+
+    A rows: ``A_BY_TOKEN`` gathers token ``order[r] // TOP_K`` (no permuted copy), else sorted row r; ``SCALE_A``
+    multiplies them by the slot's routing weight (``scale``) in float32. Epilogues: PLAIN stores C (+ bias);
+    GATED_FORWARD computes the gate columns n and the up columns GATE_OFFSET + n, adds the bias, stores
+    act(g) * u (and g, u to ``aux`` with STORE_PREACT); GATED_BACKWARD takes C as d(act(g) * u) and stores
+    [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
+    atomically added to the token's row scaled by the routing weight. Grid: one program per (row block, N tile)
+    over a static upper bound of row blocks; blocks past the last expert's return at once.
+    """
+    pid = tl.program_id(0)
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    e, row0, count, start = _locate_block(counts_ptr, starts_ptr, pid // num_n, E, EB, BM)
+    if e >= E:
+        return
+    rows = row0 + tl.arange(0, BM)
+    live = rows < count
+    srow = start + rows
+    slot = tl.load(order_ptr + srow, mask=live, other=0)
+    if A_BY_TOKEN:
+        a_rows = (slot // TOP_K).to(tl.int64)
+    else:
+        a_rows = srow.to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_n = (pid % num_n) * BN + tl.arange(0, BN)
+    n_live = offs_n < N
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    if SCALE_A or ACCUMULATE:
+        scale = tl.load(scale_ptr + slot, mask=live, other=0.0).to(tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_live = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=live[:, None] & k_live[None, :], other=0.0)
+        if SCALE_A:
+            a = a.to(tl.float32) * scale[:, None]
+        a = a.to(b_ptr.dtype.element_ty)
+        b = tl.load(b_ptrs, mask=k_live[:, None] & n_live[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if EPILOGUE == GATED_FORWARD:
+            b_up = tl.load(b_ptrs + GATE_OFFSET * stride_bn, mask=k_live[:, None] & n_live[None, :], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+        a_ptrs += BK
+        b_ptrs += BK * stride_bk
+    if HAS_BIAS:
+        bias_row = bias_ptr + e.to(tl.int64) * stride_bias_e
+        acc += tl.load(bias_row + offs_n, mask=n_live, other=0.0).to(tl.float32)[None, :]
+        if EPILOGUE == GATED_FORWARD:
+            acc_up += tl.load(bias_row + GATE_OFFSET + offs_n, mask=n_live, other=0.0).to(tl.float32)[None, :]
+    if C_BY_SLOT:
+        c_rows = slot.to(tl.int64)
+    else:
+        c_rows = srow.to(tl.int64)
+    c_live = live[:, None] & n_live[None, :]
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :]
+    if EPILOGUE == GATED_BACKWARD:
+        p_ptrs = preact_ptr + srow.to(tl.int64)[:, None] * (2 * GATE_OFFSET) + offs_n[None, :]
+        g = tl.load(p_ptrs, mask=c_live, other=0.0).to(tl.float32)
+        up = tl.load(p_ptrs + GATE_OFFSET, mask=c_live, other=0.0).to(tl.float32)
+        act, act_grad = _activate_with_grad(g, ACTIVATION)
+        tl.store(c_ptrs, (acc * up * act_grad).to(c_ptr.dtype.element_ty), mask=c_live)
+        tl.store(c_ptrs + GATE_OFFSET, (acc * act).to(c_ptr.dtype.element_ty), mask=c_live)
+    else:
+        if EPILOGUE == GATED_FORWARD:
+            if STORE_PREACT:
+                p_ptrs = aux_ptr + srow.to(tl.int64)[:, None] * (2 * GATE_OFFSET) + offs_n[None, :]
+                tl.store(p_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=c_live)
+                tl.store(p_ptrs + GATE_OFFSET, acc_up.to(aux_ptr.dtype.element_ty), mask=c_live)
+            acc = _activate(acc, ACTIVATION) * acc_up
+        if ACCUMULATE:
+            y = acc.to(b_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
+            token_ptrs = c_ptr + (slot // TOP_K).to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+            tl.atomic_add(token_ptrs, y, mask=c_live)
+        else:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_live)
+
+
+# --- weight gradients: a K-grouped GEMM over each expert's rows --------------------------------------------------
+
+@triton.jit
+def grouped_wgrad_kernel(
+    l_ptr, r_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr,
+    dw_ptr, dbias_ptr,
+    E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+    stride_lm: tl.constexpr, stride_rm: tl.constexpr,
+    L_BY_TOKEN: tl.constexpr, SCALE_L: tl.constexpr, R_BY_TOKEN: tl.constexpr, R_GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):
+    """dw[e] ([N, K]) = sum over expert e's rows of L[row]^T R[row], and dbias[e] = the sum of L's rows.
+
+    L rows: sorted, or (``L_BY_TOKEN``) the token's row scaled (``SCALE_L``) by the slot's routing weight. R rows:
+    sorted or the token's row; ``R_GATED`` recomputes act(g) * u from the pre-activations [g | u] (width 2K).
+    Grid: E * N tiles * K tiles; an idle expert's tiles are written as zeros."""
+    pid = tl.program_id(0)
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    num_k: tl.constexpr = (K + BK - 1) // BK
+    e = pid // (num_n * num_k)
+    n_tile = (pid // num_k) % num_n
+    k_tile = pid % num_k
+    count = tl.load(counts_ptr + e)
+    start = tl.load(starts_ptr + e)
+    offs_n = n_tile * BN + tl.arange(0, BN)
+    offs_k = k_tile * BK + tl.arange(0, BK)
+    n_live = offs_n < N
+    k_live = offs_k < K
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    bias_acc = tl.zeros([BN], dtype=tl.float32)
+    r0 = 0
+    while r0 < count:
+        rows = r0 + tl.arange(0, BR)
+        live = rows < count
+        srow = start + rows
+        slot = tl.load(order_ptr + srow, mask=live, other=0)
+        if L_BY_TOKEN:
+            l_rows = (slot // TOP_K).to(tl.int64)
+        else:
+            l_rows = srow.to(tl.int64)
+        lt = tl.load(l_ptr + l_rows[None, :] * stride_lm + offs_n[:, None], mask=n_live[:, None] & live[None, :],
+                     other=0.0)
+        if SCALE_L:
+            lt = lt.to(tl.float32) * tl.load(scale_ptr + slot, mask=live, other=0.0).to(tl.float32)[None, :]
+        lt = lt.to(dw_ptr.dtype.element_ty)
+        if R_BY_TOKEN:
+            r_rows = (slot // TOP_K).to(tl.int64)
+        else:
+            r_rows = srow.to(tl.int64)
+        r_ptrs = r_ptr + r_rows[:, None] * stride_rm + offs_k[None, :]
+        r_mask = live[:, None] & k_live[None, :]
+        if R_GATED:
+            g = tl.load(r_ptrs, mask=r_mask, other=0.0).to(tl.float32)
+            up = tl.load(r_ptrs + K, mask=r_mask, other=0.0).to(tl.float32)
+            r = (_activate(g, ACTIVATION) * up).to(dw_ptr.dtype.element_ty)
+        else:
+            r = tl.load(r_ptrs, mask=r_mask, other=0.0).to(dw_ptr.dtype.element_ty)
+        acc = tl.dot(lt, r, acc, input_precision="ieee")
+        if HAS_BIAS:
+            bias_acc += tl.sum(lt.to(tl.float32), 1)
+        r0 += BR
+    dw_ptrs = dw_ptr + e.to(tl.int64) * (N * K) + offs_n[:, None] * K + offs_k[None, :]
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_live[:, None] & k_live[None, :])
+    if HAS_BIAS:
+        if k_tile == 0:
+            tl.store(dbias_ptr + e * N + offs_n, bias_acc.to(dbias_ptr.dtype.element_ty), mask=n_live)
+
+
+# --- per-token combine and its routing-weight gradient -----------------------------------------------------------
+
+@triton.jit
+def combine_kernel(y_ptr, ids_ptr, w_ptr, T, out_ptr,
+                   E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr,
+                   BT: tl.constexpr, BH: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[t*k + j] in float32, in a fixed order (j = 0..k-1); empty slots are not read.
+    Without WEIGHTED the weights are 1 (the input gradient's sum over a token's slots). One program per
+    [BT tokens, BH columns] tile."""
+    pid = tl.program_id(0)
+    num_h: tl.constexpr = (H + BH - 1) // BH
+    tokens = (pid // num_h) * BT + tl.arange(0, BT)
+    t_live = tokens < T
+    offs = (pid % num_h) * BH + tl.arange(0, BH)
+    h_live = offs < H
+    acc = tl.zeros([BT, BH], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slots = tokens * TOP_K + j
+        expert = tl.load(ids_ptr + slots, mask=t_live, other=-1)
+        valid = (expert >= 0) & (expert < E)
+        y = tl.load(y_ptr + slots.to(tl.int64)[:, None] * H + offs[None, :], mask=valid[:, None] & h_live[None, :],
+                    other=0.0).to(tl.float32)
+        if WEIGHTED:
+            w = tl.load(w_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+            acc += w[:, None] * y
+        else:
+            acc += y
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * H + offs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_live[:, None] & h_live[None, :])
+
+
+@triton.jit
+def routing_grad_kernel(dout_ptr, y_ptr, ids_ptr, T, dw_ptr,
+                        E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """dw[t, j] = <dout[t], y[t*k + j]> in float32; zero for an empty slot. One program per BT tokens."""
+    tokens = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_live = tokens < T
+    offs = tl.arange(0, BH)
+    for j in tl.static_range(TOP_K):
+        slots = tokens * TOP_K + j
+        expert = tl.load(ids_ptr + slots, mask=t_live, other=-1)
+        valid = (expert >= 0) & (expert < E)
+        acc = tl.zeros([BT, BH], dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            h_live = offs < H - h0
+            d = tl.load(dout_ptr + tokens.to(tl.int64)[:, None] * H + h0 + offs[None, :],
+                        mask=t_live[:, None] & h_live[None, :], other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + slots.to(tl.int64)[:, None] * H + h0 + offs[None, :],
+                        mask=valid[:, None] & h_live[None, :], other=0.0).to(tl.float32)
+            acc += d * y
+        tl.store(dw_ptr + slots, tl.sum(acc, 1), mask=t_live)
+
+
+# --- decode: a few slots, one GEMV per slot, no sort -------------------------------------------------------------
+
+@triton.jit
+def decode_gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, S, act_ptr,
+                          E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                          stride_we: tl.constexpr, stride_wn: tl.constexpr, stride_wk: tl.constexpr,
+                          stride_bias_e: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr):
+    """act[s, n] = act(g) * u for slot s, [g; u] = gate_up[e] @ x[s // k] (+ bias): each program streams a
+    [BN, H] slice of its expert's gate and up rows once."""
+    pid = tl.program_id(0)
+    num_n: tl.constexpr = (I + BN - 1) // BN
+    s = pid // num_n
+    expert = tl.load(ids_ptr + s)
+    if (expert < 0) | (expert >= E):
+        return
+    offs_n = (pid % num_n) * BN + tl.arange(0, BN)
+    n_live = offs_n < I
+    offs_k = tl.arange(0, BK)
+    x_row = x_ptr + (s // TOP_K).to(tl.int64) * H
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+    gate = tl.zeros([BN], dtype=tl.float32)
+    up = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        k_live = offs_k < H - k0
+        x = tl.load(x_row + k0 + offs_k, mask=k_live, other=0.0).to(w_ptr.dtype.element_ty).to(tl.float32)
+        w_ptrs = w_rows + (k0 + offs_k)[None, :] * stride_wk
+        mask = n_live[:, None] & k_live[None, :]
+        gate += tl.sum(tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+        up += tl.sum(tl.load(w_ptrs + I * stride_wn, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert.to(tl.int64) * stride_bias_e
+        gate += tl.load(bias_row + offs_n, mask=n_live, other=0.0).to(tl.float32)
+        up += tl.load(bias_row + I + offs_n, mask=n_live, other=0.0).to(tl.float32)
+    out = _activate(gate, ACTIVATION) * up
+    tl.store(act_ptr + s.to(tl.int64) * I + offs_n, out.to(act_ptr.dtype.element_ty), mask=n_live)
+
+
+@triton.jit
+def decode_down_combine_kernel(act_ptr, ids_ptr, w_ptr, down_ptr, bias_ptr, T, out_ptr,
+                               E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                               stride_de: tl.constexpr, stride_dn: tl.constexpr, stride_dk: tl.constexpr,
+                               stride_bias_e: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               BN: tl.constexpr, BK: tl.constexpr):
+    """out[t, n] = sum_j w[t, j] * (down[e_j] @ act[t*k + j] + bias), the down projection and the combine of
+    one token in one program (fixed order over j; empty slots skipped)."""
+    pid = tl.program_id(0)
+    num_n: tl.constexpr = (H + BN - 1) // BN
+    t = pid // num_n
+    offs_n = (pid % num_n) * BN + tl.arange(0, BN)
+    n_live = offs_n < H
+    offs_k = tl.arange(0, BK)
+    total = tl.zeros([BN], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        s = t * TOP_K + j
+        expert = tl.load(ids_ptr + s)
+        if (expert >= 0) & (expert < E):
+            acc = tl.zeros([BN], dtype=tl.float32)
+            a_row = act_ptr + s.to(tl.int64) * I
+            d_rows = down_ptr + expert.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn
+            for k0 in range(0, I, BK):
+                k_live = offs_k < I - k0
+                a = tl.load(a_row + k0 + offs_k, mask=k_live, other=0.0).to(tl.float32)
+                d = tl.load(d_rows + (k0 + offs_k)[None, :] * stride_dk, mask=n_live[:, None] & k_live[None, :],
+                            other=0.0).to(tl.float32)
+                acc += tl.sum(d * a[None, :], 1)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n, mask=n_live,
+                               other=0.0).to(tl.float32)
+            y = acc.to(down_ptr.dtype.element_ty).to(tl.float32)
+            total += tl.load(w_ptr + s).to(tl.float32) * y
+    tl.store(out_ptr + t.to(tl.int64) * H + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_live)

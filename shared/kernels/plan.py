@@ -1,0 +1,338 @@
+"""The launch plans of the fused MoE Triton kernels, as data both framework bindings execute (no triton import).
+
+A plan is a list of ``Step``s: which kernel of ``moe_shared.kernels.moe`` to launch, its 1-D grid, its arguments by
+buffer name (or a run-time integer), the buffers it creates, and its compile-time constants, tile config and warps.
+torch and JAX run the same plan with their own allocation and launch (``moe_torch.backends.triton``,
+``moe_jax.backends.triton``), so the same problem launches the same kernels with the same configs in both: the
+same bits.
+
+Buffers the caller provides: ``x`` [T, H], ``ids`` [T*k] (int32/int64), ``w`` [T*k] routing weights, ``gate_up``
+[E, 2I, H], ``down`` [E, H, I], ``gate_up_bias`` [E, 2I], ``down_bias`` [E, H]; for the backward also ``dout``
+[T, H] and the residuals the forward plan lists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from functools import cache, lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "relu": 2}
+PLAIN, GATED_FORWARD, GATED_BACKWARD = 0, 1, 2
+ROUTE_CHUNK = 1024  # most slots per program of the routing sort
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+# Buffer dtypes are named by role: the weights' dtype, hidden_states' dtype, the routing weights' dtype, or fixed.
+WEIGHTS, HIDDEN, ROUTING, FLOAT32, INT32 = "weights", "hidden", "routing", "float32", "int32"
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # a role above
+
+
+@dataclass(frozen=True)
+class Step:
+    kernel: str
+    grid: int
+    inputs: tuple[str | int, ...]  # buffer names, or run-time integer scalars
+    outputs: tuple[Buffer, ...]
+    constants: Mapping[str, Any]
+    num_warps: int
+    num_stages: int
+    zeroed: tuple[int, ...] = ()  # outputs that must start as zeros (the atomic combine)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a plan depends on: shapes, options, the weights' strides (elements) and the device name."""
+
+    T: int
+    H: int
+    I: int
+    E: int
+    k: int
+    activation: str
+    dtype: str  # the weights' dtype
+    gate_up_strides: tuple[int, int, int]
+    down_strides: tuple[int, int, int]
+    gate_up_bias_stride: int | None = None  # the expert stride of gate_up_bias; None: no bias
+    down_bias_stride: int | None = None
+    device: str = "default"
+    deterministic: bool = True
+
+    @property
+    def S(self) -> int:
+        return self.T * self.k
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[Step, ...]
+    output: str  # the buffer holding the result
+    residuals: tuple[str, ...] = ()  # buffers the backward plan reads (with the inputs)
+    buffers: Mapping[str, Buffer] = field(default_factory=dict)  # every buffer the steps create
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    BM: int = 64
+    BN: int = 64
+    BK: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --- tile configs: tuned entries per device and shape (data files), a documented default for the rest -----------
+
+@cache
+def _tuned(device: str) -> Mapping[str, Any]:
+    path = CONFIG_DIR / f"{device_file_name(device)}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def device_file_name(device: str) -> str:
+    """The config file stem of a device name: "NVIDIA H200" -> "nvidia-h200"."""
+    return "-".join(device.lower().replace("_", " ").split())
+
+
+def default_config(kernel: str, N: int, K: int, rows_per_expert: float) -> TileConfig:
+    """The documented default where no tuned entry exists.
+
+    Row-block kernels (``gate_up``, ``down``, ``dgrad_down``, ``dgrad_up``): BM is the mean rows per expert rounded
+    up to a power of two within [16, 128], so a decode batch pads each expert's block to 16 rows and each hit
+    expert's weights are read once per N tile; BN 64 (two accumulators for gate_up) or 128 from BM 64 on, BK 64,
+    8 warps from BM 128 on. ``wgrad``: 128 x 128 output tiles over 64-row steps (BM is the row step). ``decode``:
+    GEMV tiles of 32 outputs x 256 inputs.
+    """
+    if kernel == "decode":
+        return TileConfig(BM=1, BN=32, BK=256, num_warps=4, num_stages=2)
+    if kernel == "wgrad":
+        return TileConfig(BM=64, BN=min(128, max(16, _pow2(N))), BK=min(128, max(16, _pow2(K))), num_warps=8,
+                          num_stages=3)
+    BM = min(128, max(16, _pow2(math.ceil(rows_per_expert))))
+    BN = 64 if kernel == "gate_up" or BM < 64 else 128
+    return TileConfig(BM=BM, BN=min(BN, max(16, _pow2(N))), BK=min(64, max(16, _pow2(K))),
+                      num_warps=8 if BM >= 128 else 4, num_stages=3 if BM < 128 else 4)
+
+
+def tile_config(device: str, kernel: str, N: int, K: int, E: int, slots: int) -> TileConfig:
+    """The tuned config of the nearest row count (log scale) for this kernel and shape on ``device``, or
+    ``default_config``."""
+    rows = slots / max(E, 1)
+    best, distance = None, math.inf
+    for entry in _tuned(device).get("configs", ()):
+        if (entry["kernel"], entry["N"], entry["K"], entry["E"]) != (kernel, N, K, E):
+            continue
+        d = abs(math.log2(max(entry["slots"], 1)) - math.log2(max(slots, 1)))
+        if d < distance:
+            best, distance = entry, d
+    return TileConfig(**best["config"]) if best else default_config(kernel, N, K, rows)
+
+
+def decode_max_slots(device: str, problem: Problem) -> int:
+    """Largest T*k that takes the decode kernels (inference only): the tuned value, else 16."""
+    table = _tuned(device).get("decode_max_slots", {})
+    return int(table.get(f"{problem.H}x{problem.I}x{problem.E}", table.get("default", 16)))
+
+
+# --- plans --------------------------------------------------------------------------------------------------------
+
+_UNUSED = Buffer("unused", (1,), WEIGHTS)  # stands for an optional kernel output the step does not need
+
+
+def _bias(problem: Problem, which: str) -> tuple[str, int, bool]:
+    stride = problem.gate_up_bias_stride if which == "gate_up" else problem.down_bias_stride
+    return (f"{which}_bias", stride, True) if stride is not None else ("x", 0, False)
+
+
+def _expert_bins(E: int) -> int:
+    return _pow2(E + 2)  # experts, the empty bin E, and the padding bin E + 1
+
+
+def _route_steps(problem: Problem) -> list[Step]:
+    S, E = problem.S, problem.E
+    EB = _expert_bins(E)
+    chunk = min(ROUTE_CHUNK, max(16, _pow2(S)))
+    chunks = _cdiv(S, chunk)
+    single = chunks <= 1
+    steps = []
+    if not single:
+        steps.append(Step("route_histogram_kernel", chunks, ("ids", S), (Buffer("hist", (chunks * EB,), INT32),),
+                          dict(E=E, CHUNK=chunk, EB=EB), num_warps=4, num_stages=1))
+    steps.append(Step("route_sort_kernel", chunks, ("ids", "ids" if single else "hist", S),
+                      (Buffer("order", (max(S, 1),), INT32), Buffer("counts", (E,), INT32),
+                       Buffer("starts", (E + 1,), INT32)),
+                      dict(E=E, CHUNK=chunk, EB=EB, SINGLE_CHUNK=single), num_warps=4, num_stages=1))
+    return steps
+
+
+def _row_blocks(S: int, E: int, BM: int) -> int:
+    """Static upper bound of the expert-aligned row blocks: sum_e ceil(c_e / BM) <= S / BM + min(E, S)."""
+    return _cdiv(S, BM) + min(E, S)
+
+
+def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_strides: tuple[int, int, int],
+          out: Buffer, stride_am: int, stride_cm: int, a_by_token=False, scale_a=False, bias=("x", 0, False),
+          epilogue=PLAIN, preact_out: Buffer | None = None, preact_in="x", c_by_slot=False,
+          accumulate=False) -> Step:
+    """A grouped_gemm_kernel step: out = A @ B[e] over sorted rows, B[e] a [K, N] view with strides
+    (expert, k, n)."""
+    E = problem.E
+    cfg = tile_config(problem.device, kernel, N, K, E, problem.S)
+    bias_name, bias_stride, has_bias = bias
+    constants = dict(
+        E=E, N=N, K=K, TOP_K=problem.k, stride_am=stride_am, stride_be=b_strides[0], stride_bk=b_strides[1],
+        stride_bn=b_strides[2], stride_bias_e=bias_stride, stride_cm=stride_cm, GATE_OFFSET=problem.I,
+        A_BY_TOKEN=a_by_token, SCALE_A=scale_a, HAS_BIAS=has_bias, EPILOGUE=epilogue,
+        ACTIVATION=ACTIVATION_CODES[problem.activation], STORE_PREACT=preact_out is not None,
+        C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E))
+    return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
+                (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
+                (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
+                zeroed=(0,) if accumulate else ())
+
+
+def _wgrad(problem: Problem, *, l: str, r: str, N: int, K: int, out: Buffer, bias_out: Buffer | None,
+           stride_lm: int, stride_rm: int, l_by_token=False, scale_l=False, r_by_token=False,
+           r_gated=False) -> Step:
+    E = problem.E
+    cfg = tile_config(problem.device, "wgrad", N, K, E, problem.S)
+    constants = dict(E=E, N=N, K=K, TOP_K=problem.k, stride_lm=stride_lm, stride_rm=stride_rm,
+                     L_BY_TOKEN=l_by_token, SCALE_L=scale_l, R_BY_TOKEN=r_by_token, R_GATED=r_gated,
+                     HAS_BIAS=bias_out is not None, ACTIVATION=ACTIVATION_CODES[problem.activation],
+                     BN=cfg.BN, BK=cfg.BK, BR=cfg.BM)
+    return Step("grouped_wgrad_kernel", E * _cdiv(N, cfg.BN) * _cdiv(K, cfg.BK),
+                (l, r, "counts", "starts", "order", "w"), (out, bias_out or _UNUSED), constants,
+                cfg.num_warps, cfg.num_stages)
+
+
+def _token_tile(T: int, H: int) -> tuple[int, int]:
+    """(BT, BH) of the per-token kernels: up to 1024 columns, up to 4096 elements a program."""
+    BH = min(1024, max(16, _pow2(H)))
+    return min(max(1, 4096 // BH), max(1, _pow2(T))), BH
+
+
+def _combine(problem: Problem, y: str, out: Buffer, weighted: bool) -> Step:
+    BT, BH = _token_tile(problem.T, problem.H)
+    return Step("combine_kernel", _cdiv(problem.T, BT) * _cdiv(problem.H, BH), (y, "ids", "w", problem.T), (out,),
+                dict(E=problem.E, H=problem.H, TOP_K=problem.k, WEIGHTED=weighted, BT=BT, BH=BH), num_warps=4,
+                num_stages=1)
+
+
+def _finish(steps: list[Step], output: str, residuals: tuple[str, ...] = ()) -> Plan:
+    buffers = {b.name: b for s in steps for b in s.outputs}
+    return Plan(tuple(steps), output, residuals, buffers)
+
+
+@lru_cache(maxsize=512)
+def forward_plan(problem: Problem, *, training: bool = False) -> Plan:
+    """The forward: the decode kernels for a few slots at inference, else route, gate/up (activation fused),
+    down, combine. ``training`` keeps what ``backward_plan`` reads (pre-activations and per-slot outputs)."""
+    T, H, I, E, S = problem.T, problem.H, problem.I, problem.E, problem.S
+    g_e, g_n, g_k = problem.gate_up_strides
+    d_e, d_n, d_k = problem.down_strides
+    if not training and S <= decode_max_slots(problem.device, problem):
+        up = tile_config(problem.device, "decode", I, H, E, S)
+        down = tile_config(problem.device, "decode", H, I, E, S)
+        gate_bias, gate_bias_stride, gate_has_bias = _bias(problem, "gate_up")
+        down_bias, down_bias_stride, down_has_bias = _bias(problem, "down")
+        steps = [
+            Step("decode_gate_up_kernel", S * _cdiv(I, up.BN), ("x", "ids", "gate_up", gate_bias, S),
+                 (Buffer("act", (S, I), WEIGHTS),),
+                 dict(E=E, H=H, I=I, TOP_K=problem.k, stride_we=g_e, stride_wn=g_n, stride_wk=g_k,
+                      stride_bias_e=gate_bias_stride, HAS_BIAS=gate_has_bias,
+                      ACTIVATION=ACTIVATION_CODES[problem.activation], BN=up.BN, BK=up.BK),
+                 up.num_warps, up.num_stages),
+            Step("decode_down_combine_kernel", T * _cdiv(H, down.BN), ("act", "ids", "w", "down", down_bias, T),
+                 (Buffer("out", (T, H), HIDDEN),),
+                 dict(E=E, H=H, I=I, TOP_K=problem.k, stride_de=d_e, stride_dn=d_n, stride_dk=d_k,
+                      stride_bias_e=down_bias_stride, HAS_BIAS=down_has_bias, BN=down.BN, BK=down.BK),
+                 down.num_warps, down.num_stages),
+        ]
+        return _finish(steps, "out")
+    accumulate = not (problem.deterministic or training)
+    steps = _route_steps(problem)
+    steps.append(_gemm(problem, "gate_up", a="x", b="gate_up", N=I, K=H, b_strides=(g_e, g_k, g_n),
+                       out=Buffer("act", (S, I), WEIGHTS), stride_am=H, stride_cm=I, a_by_token=True,
+                       bias=_bias(problem, "gate_up"), epilogue=GATED_FORWARD,
+                       preact_out=Buffer("preact", (S, 2 * I), WEIGHTS) if training else None))
+    if accumulate:
+        steps.append(_gemm(problem, "down", a="act", b="down", N=H, K=I, b_strides=(d_e, d_k, d_n),
+                           out=Buffer("out_sum", (T, H), FLOAT32), stride_am=I, stride_cm=H,
+                           bias=_bias(problem, "down"), accumulate=True))
+        return _finish(steps, "out_sum")
+    steps.append(_gemm(problem, "down", a="act", b="down", N=H, K=I, b_strides=(d_e, d_k, d_n),
+                       out=Buffer("y", (S, H), WEIGHTS), stride_am=I, stride_cm=H, bias=_bias(problem, "down"),
+                       c_by_slot=True))
+    steps.append(_combine(problem, "y", Buffer("out", (T, H), HIDDEN), weighted=True))
+    return _finish(steps, "out", ("order", "counts", "starts", "preact", "y") if training else ())
+
+
+GRADIENTS = {"hidden_states": "dx", "top_k_weights": "dw", "gate_up_proj": "d_gate_up", "down_proj": "d_down",
+             "gate_up_bias": "d_gate_up_bias", "down_bias": "d_down_bias"}
+
+
+@lru_cache(maxsize=512)
+def backward_plan(problem: Problem) -> Plan:
+    """Gradients from ``dout`` and the training forward's residuals; ``GRADIENTS`` names the result buffers."""
+    T, H, I, E, S = problem.T, problem.H, problem.I, problem.E, problem.S
+    g_e, g_n, g_k = problem.gate_up_strides
+    d_e, d_n, d_k = problem.down_strides
+    BT, BH = _token_tile(T, H)
+    has_gate_bias = problem.gate_up_bias_stride is not None
+    has_down_bias = problem.down_bias_stride is not None
+    steps = [
+        Step("routing_grad_kernel", _cdiv(T, BT), ("dout", "y", "ids", T), (Buffer("dw", (S,), ROUTING),),
+             dict(E=E, H=H, TOP_K=problem.k, BT=BT, BH=BH), num_warps=4, num_stages=1),
+        # d(act(g) * u) = (w * dout) @ down[e], then [dg, du] in the epilogue
+        _gemm(problem, "dgrad_down", a="dout", b="down", N=I, K=H, b_strides=(d_e, d_n, d_k),
+              out=Buffer("dpreact", (S, 2 * I), WEIGHTS), stride_am=H, stride_cm=2 * I, a_by_token=True,
+              scale_a=True, epilogue=GATED_BACKWARD, preact_in="preact"),
+        _gemm(problem, "dgrad_up", a="dpreact", b="gate_up", N=H, K=2 * I, b_strides=(g_e, g_n, g_k),
+              out=Buffer("dx_slots", (S, H), WEIGHTS), stride_am=2 * I, stride_cm=H, c_by_slot=True),
+        _combine(problem, "dx_slots", Buffer("dx", (T, H), HIDDEN), weighted=False),
+        _wgrad(problem, l="dout", r="preact", N=H, K=I, out=Buffer("d_down", (E, H, I), WEIGHTS),
+               bias_out=Buffer("d_down_bias", (E, H), WEIGHTS) if has_down_bias else None,
+               stride_lm=H, stride_rm=2 * I, l_by_token=True, scale_l=True, r_gated=True),
+        _wgrad(problem, l="dpreact", r="x", N=2 * I, K=H, out=Buffer("d_gate_up", (E, 2 * I, H), WEIGHTS),
+               bias_out=Buffer("d_gate_up_bias", (E, 2 * I), WEIGHTS) if has_gate_bias else None,
+               stride_lm=2 * I, stride_rm=H, r_by_token=True),
+    ]
+    return _finish(steps, "dx")
+
+
+# --- a plain grouped matmul (the JAX grouped_mm backend's kernel on GPU) -----------------------------------------
+
+@lru_cache(maxsize=512)
+def grouped_matmul_plan(S: int, N: int, K: int, E: int, b_strides: tuple[int, int, int], dtype: str,
+                        device: str) -> Plan:
+    """out [S, N] = a[rows of e] @ B[e] for rows sorted by expert (``counts``, ``starts``; ``order`` the identity),
+    B[e] a [K, N] view with strides (expert, k, n). Rows past the last group are zeros."""
+    problem = Problem(T=S, H=K, I=N, E=E, k=1, activation="silu", dtype=dtype, gate_up_strides=b_strides,
+                      down_strides=b_strides, device=device)
+    step = _gemm(problem, "grouped", a="a", b="b", N=N, K=K, b_strides=b_strides,
+                 out=Buffer("out", (S, N), WEIGHTS), stride_am=K, stride_cm=N)
+    return _finish([replace(step, zeroed=(0,))], "out")
+
+
+@lru_cache(maxsize=512)
+def grouped_matmul_wgrad_plan(S: int, N: int, K: int, E: int, dtype: str, device: str) -> Plan:
+    """dw [E, N, K] = sum over the rows of e of l[row]^T r[row], for l [S, N] and r [S, K] sorted by expert."""
+    problem = Problem(T=S, H=K, I=N, E=E, k=1, activation="silu", dtype=dtype, gate_up_strides=(0, 0, 0),
+                      down_strides=(0, 0, 0), device=device)
+    return _finish([_wgrad(problem, l="l", r="r", N=N, K=K, out=Buffer("dw", (E, N, K), WEIGHTS), bias_out=None,
+                           stride_lm=N, stride_rm=K)], "dw")

@@ -1,0 +1,262 @@
+"""Backend ``triton``: the shared Triton kernels under the Triton interpreter (CPU), through both bindings.
+
+The kernels and the plans are the ones the GPU runs; the interpreter executes them program by program on the host
+(``triton_interpreter`` makes its bfloat16 arithmetic the GPU's). On the GPU the same checks run in
+tests/device_triton_check.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import triton_interpreter  # noqa: F401  (patches the interpreter's bfloat16 dot and cast)
+from moe_jax.backends import triton as jax_triton_backend
+from moe_shared import relative_l2
+from moe_shared.kernels import plan as plans
+from moe_torch.backends import triton as torch_triton_backend
+from support import CASES, DIFF_ARGS, SPEC, case_id, random_case
+from test_jax import to_jax
+from test_torch import to_torch
+
+import moe_jax
+import moe_torch
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+JAX_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def torch_run(arrays, dtype, grad_output=None, activation="silu", training=True):
+    """Output and gradients (name -> float64 array) of the torch binding on these inputs."""
+    ts = to_torch(arrays, dtype, requires_grad=training)
+    out = torch_triton_backend.experts_forward(**ts, activation=activation)
+    result = {"out": out.detach().double().numpy()}
+    if training:
+        out.backward(torch.from_numpy(np.asarray(grad_output, np.float32)).to(TORCH_DTYPES[dtype]))
+        result |= {f"grad_{n}": t.grad.double().numpy() for n, t in ts.items() if n in DIFF_ARGS}
+    return result
+
+
+def jax_run(arrays, dtype, grad_output=None, activation="silu", training=True):
+    """The same through the JAX binding, jitted, with its kernels launched under the interpreter."""
+    values = to_jax(arrays, dtype)
+    names = [n for n in DIFF_ARGS if n in values]
+
+    def f(*diff):
+        return jax_triton_backend.experts_forward(**(values | dict(zip(names, diff))), activation=activation)
+
+    with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):
+        if not training:
+            return {"out": np.asarray(jax.jit(f)(*(values[n] for n in names)).astype(jnp.float32), np.float64)}
+        out, vjp = jax.vjp(jax.jit(f), *(values[n] for n in names))
+        grads = jax.jit(vjp)(jnp.asarray(grad_output).astype(JAX_DTYPES[dtype]))
+    result = {"out": np.asarray(out.astype(jnp.float32), np.float64)}
+    return result | {f"grad_{n}": np.asarray(g.astype(jnp.float32), np.float64) for n, g in zip(names, grads)}
+
+
+def assert_matches_reference(result, case):
+    tol = SPEC.tolerance_for(case.dtype)
+    errors = {n: relative_l2(v, case.expected[n]) for n, v in result.items()}
+    assert max(errors.values()) <= tol, f"{case.name}: {errors} > {tol}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_torch_binding_on_every_vector(case):
+    """Forward and every gradient (the training plan), and the inference forward (decode kernels for a few slots,
+    the sorted path otherwise), against the float64 reference."""
+    assert_matches_reference(torch_run(case.inputs, case.dtype, case.grad_output, case.activation), case)
+    assert_matches_reference(torch_run(case.inputs, case.dtype, activation=case.activation, training=False), case)
+
+
+JAX_CASES = [c for c in CASES if c.dtype == "bfloat16" or c.name.endswith(("uniform-T7", "uniform-T0"))]
+
+
+@pytest.mark.parametrize("case", JAX_CASES, ids=case_id)
+def test_jax_binding_bit_identical_to_torch(case):
+    """The JAX binding (jit, custom_vjp) launches the same kernels with the same configs: the same bits as torch,
+    forward and every gradient, and within the tolerance of the reference."""
+    grad_output = np.asarray(jnp.asarray(case.grad_output).astype(JAX_DTYPES[case.dtype]).astype(jnp.float32))
+    ours = jax_run(case.inputs, case.dtype, grad_output, case.activation)
+    assert_matches_reference(ours, case)
+    theirs = torch_run(case.inputs, case.dtype, grad_output, case.activation)
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    inference = jax_run(case.inputs, case.dtype, activation=case.activation, training=False)
+    np.testing.assert_array_equal(inference["out"], torch_run(case.inputs, case.dtype, activation=case.activation,
+                                                               training=False)["out"])
+
+
+def _problem(T, k=2, E=4, H=16, I=8, **kw):
+    return plans.Problem(T=T, H=H, I=I, E=E, k=k, activation="silu", dtype="bfloat16",
+                         gate_up_strides=(2 * I * H, H, 1), down_strides=(H * I, I, 1), **kw)
+
+
+def test_plans_pick_the_decode_kernels_for_few_slots_at_inference_only():
+    names = lambda plan: [s.kernel for s in plan.steps]
+    few = _problem(T=4)  # 8 slots
+    assert names(plans.forward_plan(few)) == ["decode_gate_up_kernel", "decode_down_combine_kernel"]
+    assert names(plans.forward_plan(few, training=True)) == [
+        "route_sort_kernel", "grouped_gemm_kernel", "grouped_gemm_kernel", "combine_kernel"]
+    many = _problem(T=2048)  # 4096 slots: several routing chunks
+    assert names(plans.forward_plan(many)) == [
+        "route_histogram_kernel", "route_sort_kernel", "grouped_gemm_kernel", "grouped_gemm_kernel", "combine_kernel"]
+    assert not any(s.zeroed for s in plans.forward_plan(many).steps)  # deterministic: nothing accumulates
+
+
+def test_grids_are_static_upper_bounds_of_the_expert_aligned_blocks():
+    problem = _problem(T=300, k=4, E=16)
+    step = plans.forward_plan(problem).steps[-3]
+    BM, BN, N = step.constants["BM"], step.constants["BN"], step.constants["N"]
+    # any routing needs at most ceil(S / BM) + min(E, S) blocks of BM rows
+    rng = np.random.default_rng(0)
+    for counts in (np.full(16, 75), rng.multinomial(1200, np.ones(16) / 16), np.eye(16)[3] * 1200):
+        assert np.sum(-(-counts // BM)) * -(-N // BN) <= step.grid
+
+
+def _routing(ids, monkeypatch, chunk):
+    """order, counts, starts from the routing kernels on int ids [T, k]."""
+    monkeypatch.setattr(plans, "ROUTE_CHUNK", chunk)
+    plans.forward_plan.cache_clear()
+    T, k = ids.shape
+    problem = _problem(T=T, k=k, E=5)
+    route = plans.Plan(tuple(plans._route_steps(problem)), "order")
+    env = torch_triton_backend.run_plan(route, {"ids": torch.from_numpy(ids).reshape(-1)},
+                                        dtypes={plans.WEIGHTS: torch.float32})
+    plans.forward_plan.cache_clear()
+    return env["order"].numpy(), env["counts"].numpy(), env["starts"].numpy()
+
+
+@pytest.mark.parametrize("chunk", [16, 1024])
+def test_routing_is_a_stable_counting_sort_with_empty_slots_left_out(monkeypatch, chunk):
+    rng = np.random.default_rng(1)
+    ids = rng.integers(-2, 7, size=(40, 3)).astype(np.int64)  # 5 experts; -2, -1, 5, 6 are empty slots
+    ids[:, 0] = np.where(rng.random(40) < 0.5, 2, ids[:, 0])  # skewed towards expert 2
+    order, counts, starts = _routing(ids, monkeypatch, chunk)
+    flat = ids.reshape(-1)
+    valid = (flat >= 0) & (flat < 5)
+    expected = np.argsort(np.where(valid, flat, 5), kind="stable")[: valid.sum()]
+    np.testing.assert_array_equal(order[: valid.sum()], expected)
+    np.testing.assert_array_equal(counts, np.bincount(flat[valid], minlength=5))
+    np.testing.assert_array_equal(starts, np.concatenate([[0], np.cumsum(counts)]))
+
+
+def test_unchecked_out_of_range_ids_are_empty_slots():
+    arrays, grad_output = random_case(5, T=12, H=16, I=8, E=4, k=3, bias=True)
+    arrays["top_k_index"][1, 0], arrays["top_k_index"][7, 2] = 9, -5
+    cleaned = {n: a.copy() for n, a in arrays.items()}
+    cleaned["top_k_index"][1, 0] = cleaned["top_k_index"][7, 2] = -1
+    for training in (True, False):
+        got = torch_run(arrays, "float32", grad_output, training=training)
+        want = torch_run(cleaned, "float32", grad_output, training=training)
+        for name in got:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_every_run_gives_the_same_bits():
+    arrays, grad_output = random_case(6, T=40, H=24, I=16, E=6, k=2, bias=True, empty_fraction=0.1)
+    first, second = (torch_run(arrays, "bfloat16", grad_output) for _ in range(2))
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)
+
+
+def test_strided_weights_are_read_in_place():
+    arrays, grad_output = random_case(7, T=20, H=16, I=8, E=4, k=2, bias=False)
+    ts = to_torch(arrays, "float32")
+    gate_up_t = ts["gate_up_proj"].transpose(1, 2).contiguous().transpose(1, 2)  # [E, 2I, H], strides (.., 1, 2I)
+    down_t = ts["down_proj"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not gate_up_t.is_contiguous()
+    with torch.no_grad():
+        strided = torch_triton_backend.experts_forward(
+            ts["hidden_states"], ts["top_k_index"], ts["top_k_weights"], gate_up_t, down_t)
+        plain = torch_triton_backend.experts_forward(
+            ts["hidden_states"], ts["top_k_index"], ts["top_k_weights"], ts["gate_up_proj"], ts["down_proj"])
+    torch.testing.assert_close(strided, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_torch_custom_ops_trace_fullgraph_with_their_fake_implementations():
+    """torch.compile(fullgraph=True) through the custom ops' fake implementations and autograd registration
+    (aot_eager: the graph is traced as for inductor, then run eagerly on the interpreter)."""
+    arrays, grad_output = random_case(8, T=10, H=16, I=8, E=4, k=2, bias=True)
+    ts = to_torch(arrays, "float32", requires_grad=True)
+    compiled = torch.compile(lambda **kw: torch_triton_backend.experts_forward(**kw), fullgraph=True,
+                             backend="aot_eager")
+    out = compiled(**ts)
+    out.backward(torch.from_numpy(grad_output).float())
+    expected = torch_run(arrays, "float32", grad_output)
+    np.testing.assert_array_equal(out.detach().double().numpy(), expected["out"])
+    for n, t in ts.items():
+        if n in DIFF_ARGS:
+            np.testing.assert_array_equal(t.grad.double().numpy(), expected[f"grad_{n}"], err_msg=n)
+    with torch.no_grad():
+        inference = compiled(**{n: t.detach() for n, t in ts.items()})
+    np.testing.assert_array_equal(inference.double().numpy(),
+                                  torch_run(arrays, "float32", training=False)["out"])
+
+
+def test_torch_opcheck():
+    arrays, _ = random_case(9, T=6, H=16, I=8, E=4, k=2, bias=True)
+    ts = to_torch(arrays, "float32")
+    args = (ts["hidden_states"], ts["top_k_index"], ts["top_k_weights"], ts["gate_up_proj"], ts["down_proj"],
+            ts["gate_up_bias"], ts["down_bias"], "silu")
+    torch.library.opcheck(torch.ops.moe_torch.triton_experts.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    train_args = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                       for t in args)
+    torch.library.opcheck(torch.ops.moe_torch.triton_experts_train.default, train_args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_jax_plan_is_traced_once_per_shape_under_jit():
+    arrays, grad_output = random_case(10, T=8, H=16, I=8, E=4, k=2, bias=False)
+    values = to_jax(arrays, "float32")
+    launches = []
+
+    def counting(kernel, step, args, out_shapes):
+        launches.append(step.kernel)
+        return triton_interpreter.jax_interpreter_launch(kernel, step, args, out_shapes)
+
+    ids = values.pop("top_k_index")
+    f = jax.jit(jax.grad(lambda v, ids: jax_triton_backend.experts_forward(top_k_index=ids, **v).sum()))
+    with jax_triton_backend.use_launcher(counting):
+        f(values, ids)
+        traced = list(launches)
+        f(values, ids)
+    # forward (training plan) + backward plan, each step launched once per trace; the second call re-traces nothing
+    assert traced == launches
+    assert traced.count("grouped_wgrad_kernel") == 2 and traced.count("routing_grad_kernel") == 1
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_named_gated_activations_only(framework):
+    arrays, _ = random_case(11, T=4, H=8, I=4, E=3, k=2, bias=False)
+    gate = lambda h: h[..., :4]
+    backend = torch_triton_backend if framework == "torch" else jax_triton_backend
+    values = to_torch(arrays, "float32") if framework == "torch" else to_jax(arrays, "float32")
+    with pytest.raises(ValueError, match=r"activation: implementation 'triton' takes one of \['silu', 'gelu', "
+                                         r"'relu'\], got the callable <lambda>"):
+        backend.experts_forward(**values, activation=gate)
+
+
+def test_unavailable_on_cpu_with_reasons():
+    assert moe_torch.available_backends("cpu")["triton"] == (
+        "implementation 'triton' runs on ['cuda'], got a tensor on cpu")
+    reason = moe_jax.available_backends("cpu")["triton"]
+    expected = ("implementation 'triton' needs the package 'jax_triton': pip install 'moe-experts[gpu]'"
+                if importlib.util.find_spec("jax_triton") is None else
+                "implementation 'triton' runs on ['cuda'], got the cpu platform")
+    assert reason == expected
+    arrays = to_torch(random_case(12, T=4, H=8, I=4, E=3, k=2, bias=False)[0], "float32")
+    with pytest.raises(RuntimeError, match=r"runs on \['cuda'\], got a tensor on cpu"):
+        moe_torch.experts_forward(**arrays, implementation="triton")
+
+
+def test_missing_triton_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(ImportError, match=r"needs the package 'triton': pip install 'moe-experts\[gpu\]'"):
+        moe_torch.api.check_requirements("triton", torch.device("cpu"), torch.bfloat16)
