@@ -11,12 +11,14 @@ zero in the result. Two kernels, chosen per platform when the program is lowered
   Cost grows with S + E * small block, never with E * S.
   Differentiated by its own VJP (the input gradient is again a segment loop, the weight gradient a blocked
   transposed product).
+- ``triton``: the Triton grouped GEMM of ``moe_shared.kernels`` through jax_triton (CUDA), with its own VJP (the
+  input gradient on the transposed weights, the weight gradient a K-grouped GEMM over each expert's rows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -176,10 +178,26 @@ def _segment_bwd(transpose_w, residuals, dy):
 
 _segment.defvjp(_segment_fwd, _segment_bwd)
 
+def _triton(x, w, group_sizes, transpose_w: bool):
+    from .backends.triton import grouped_matmul as triton_grouped_matmul
+    return triton_grouped_matmul(x, w, group_sizes, transpose_w)
+
+
 KERNELS: dict[str, Callable] = {
     "ragged_dot": _ragged,
     "segment_loop": lambda x, w, gs, transpose_w: _segment(x, w, gs, transpose_w),
+    "triton": _triton,  # moe_shared.kernels' Triton grouped GEMM, through jax_triton (CUDA only)
 }
+
+
+@cache
+def _platform_present(platform: str) -> bool:
+    """Whether this process has devices of ``platform``: branches for absent platforms are not traced (a CUDA
+    kernel's binding cannot be traced on a CPU-only jaxlib)."""
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
 
 _JAX_PLATFORMS = {"cpu": "cpu", "cuda": "cuda", "tpu": "tpu"}  # spec device class -> lowering platform
 
@@ -187,7 +205,8 @@ _JAX_PLATFORMS = {"cpu": "cpu", "cuda": "cuda", "tpu": "tpu"}  # spec device cla
 def grouped_matmul(x, w, group_sizes, *, kernels: Mapping[str, str], transpose_w: bool = True):
     """``x`` [S, K] by ``w`` [E, N, K] per group (``transpose_w``) or [E, K, N]; ``kernels`` maps a spec device
     class to a kernel name, ``"default"`` for the rest."""
-    chosen = {_JAX_PLATFORMS[dc]: KERNELS[name] for dc, name in kernels.items() if dc != "default"}
+    chosen = {_JAX_PLATFORMS[dc]: KERNELS[name] for dc, name in kernels.items()
+              if dc != "default" and _platform_present(_JAX_PLATFORMS[dc])}
     default = KERNELS[kernels.get("default", "ragged_dot")]
     if not chosen:
         return default(x, w, group_sizes, transpose_w)

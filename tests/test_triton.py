@@ -260,3 +260,36 @@ def test_missing_triton_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(ImportError, match=r"needs the package 'triton': pip install 'moe-experts\[gpu\]'"):
         moe_torch.api.check_requirements("triton", torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("transpose_w", [True, False])
+def test_jax_grouped_matmul_kernel_matches_ragged_dot(transpose_w):
+    """moe_jax grouped_mm's CUDA kernel (the Triton grouped GEMM), forward and VJP, against ragged_dot; idle
+    groups, and rows past the last group that come out as zeros."""
+    from moe_jax.grouped_matmul import grouped_matmul
+    rng = np.random.default_rng(13)
+    sizes = jnp.asarray([5, 0, 19, 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((30, 24)), jnp.float32)  # 25 grouped rows, 5 past them
+    w = jnp.asarray(rng.standard_normal((4, 12, 24) if transpose_w else (4, 24, 12)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((30, 12)), jnp.float32)
+
+    def run(kernel):
+        f = lambda x, w: grouped_matmul(x, w, sizes, kernels={"default": kernel}, transpose_w=transpose_w)
+        y, vjp = jax.vjp(jax.jit(f), x, w)
+        return (y, *vjp(dy))
+
+    with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):
+        ours = run("triton")
+    reference = run("ragged_dot")
+    for got, want, name in zip(ours, reference, ("y", "dx", "dw")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=name)
+    assert not np.asarray(ours[0][25:]).any()
+
+
+def test_jax_grouped_mm_traces_only_present_platforms():
+    """grouped_mm's spec names the Triton kernel for CUDA; a CPU-only process never traces that branch (its
+    binding needs a CUDA jaxlib), and the CPU branch is the segment loop."""
+    assert SPEC.backends["grouped_mm"].support("jax").details["kernel"]["cuda"] == "triton"
+    values = to_jax(random_case(14, T=6, H=8, I=4, E=3, k=2, bias=False)[0], "float32")
+    text = jax.jit(lambda v: moe_jax.experts_forward(**v, implementation="grouped_mm")).lower(values).as_text()
+    assert "triton" not in text and "while" in text

@@ -29,7 +29,11 @@ Launcher = Callable[[object, plans.Step, list, list], list]
 @cache
 def _jax_triton():
     saved = os.environ.get("TRITON_CACHE_DIR")
-    import jax_triton  # 0.3.1 sets TRITON_CACHE_DIR="" on import, which turns off triton's compile cache
+    try:
+        import jax_triton  # 0.3.1 sets TRITON_CACHE_DIR="" on import, which turns off triton's compile cache
+    except ImportError as err:
+        raise ImportError(f"the Triton kernels need jax-triton on a CUDA build of jaxlib: "
+                          f"pip install 'moe-experts[gpu]' ({err})") from err
     if saved is None:
         os.environ.pop("TRITON_CACHE_DIR", None)
     else:
@@ -151,3 +155,51 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     SUPPORT.check_activation(NAME, activation)
     return _experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                     activation)
+
+
+# --- a plain grouped matmul: moe_jax grouped_mm's kernel on GPU --------------------------------------------------
+
+def _b_view_strides(w, transpose_w: bool) -> tuple[int, int, int]:
+    """(expert, k, n) strides of B[e] as a [K, N] view of w: [E, N, K] when transpose_w, else [E, K, N]."""
+    e, first, second = _contiguous_strides(w.shape)
+    return (e, second, first) if transpose_w else (e, first, second)
+
+
+def _grouped_env(a, w, group_sizes) -> dict:
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
+    order = jnp.arange(max(a.shape[0], 1), dtype=jnp.int32)
+    return {"a": a, "b": w, "counts": sizes, "starts": starts, "order": order, "x": a, "w": a}
+
+
+def _grouped_forward(x, w, group_sizes, transpose_w: bool):
+    S, K = x.shape
+    N = w.shape[1] if transpose_w else w.shape[2]
+    plan = plans.grouped_matmul_plan(S, N, K, w.shape[0], _b_view_strides(w, transpose_w), jnp.dtype(w.dtype).name,
+                                     _device_name())
+    env = run_plan(plan, _grouped_env(x, w, group_sizes), {plans.WEIGHTS: w.dtype})
+    return env[plan.output]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_matmul(x, w, group_sizes, transpose_w: bool = True):
+    """``x`` [S, K] rows sorted by expert times ``w[e]`` ([E, N, K] transposed, or [E, K, N]) for the row counts
+    ``group_sizes`` [E]; rows past their sum are zeros. The Triton grouped GEMM of ``moe_shared.kernels``."""
+    return _grouped_forward(x, w, group_sizes, transpose_w)
+
+
+def _grouped_fwd(x, w, group_sizes, transpose_w):
+    return _grouped_forward(x, w, group_sizes, transpose_w), (x, w, group_sizes)
+
+
+def _grouped_bwd(transpose_w, saved, dy):
+    x, w, group_sizes = saved
+    dx = _grouped_forward(dy, w, group_sizes, not transpose_w)
+    left, right = (dy, x) if transpose_w else (x, dy)
+    plan = plans.grouped_matmul_wgrad_plan(x.shape[0], left.shape[1], right.shape[1], w.shape[0],
+                                           jnp.dtype(w.dtype).name, _device_name())
+    env = _grouped_env(x, w, group_sizes) | {"l": left, "r": right}
+    return dx, run_plan(plan, env, {plans.WEIGHTS: w.dtype})[plan.output], None
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)

@@ -126,7 +126,7 @@ def grouped_gemm_kernel(
     stride_bias_e: tl.constexpr, stride_cm: tl.constexpr, GATE_OFFSET: tl.constexpr,
     A_BY_TOKEN: tl.constexpr, SCALE_A: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
@@ -136,7 +136,8 @@ def grouped_gemm_kernel(
     act(g) * u (and g, u to ``aux`` with STORE_PREACT); GATED_BACKWARD takes C as d(act(g) * u) and stores
     [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
     atomically added to the token's row scaled by the routing weight. Grid: one program per (row block, N tile)
-    over a static upper bound of row blocks; blocks past the last expert's return at once.
+    over a static upper bound of row blocks; blocks past the last expert's return at once. DOT_PRECISION is
+    "ieee" for float32 operands (no TF32).
     """
     pid = tl.program_id(0)
     num_n: tl.constexpr = (N + BN - 1) // BN
@@ -167,10 +168,10 @@ def grouped_gemm_kernel(
             a = a.to(tl.float32) * scale[:, None]
         a = a.to(b_ptr.dtype.element_ty)
         b = tl.load(b_ptrs, mask=k_live[:, None] & n_live[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if EPILOGUE == GATED_FORWARD:
             b_up = tl.load(b_ptrs + GATE_OFFSET * stride_bn, mask=k_live[:, None] & n_live[None, :], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BK
         b_ptrs += BK * stride_bk
     if HAS_BIAS:
@@ -216,7 +217,7 @@ def grouped_wgrad_kernel(
     stride_lm: tl.constexpr, stride_rm: tl.constexpr,
     L_BY_TOKEN: tl.constexpr, SCALE_L: tl.constexpr, R_BY_TOKEN: tl.constexpr, R_GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dw[e] ([N, K]) = sum over expert e's rows of L[row]^T R[row], and dbias[e] = the sum of L's rows.
 
@@ -264,7 +265,7 @@ def grouped_wgrad_kernel(
             r = (_activate(g, ACTIVATION) * up).to(dw_ptr.dtype.element_ty)
         else:
             r = tl.load(r_ptrs, mask=r_mask, other=0.0).to(dw_ptr.dtype.element_ty)
-        acc = tl.dot(lt, r, acc, input_precision="ieee")
+        acc = tl.dot(lt, r, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             bias_acc += tl.sum(lt.to(tl.float32), 1)
         r0 += BR

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache
 from pathlib import Path
@@ -24,6 +25,7 @@ ACTIVATION_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 PLAIN, GATED_FORWARD, GATED_BACKWARD = 0, 1, 2
 ROUTE_CHUNK = 1024  # most slots per program of the routing sort
 CONFIG_DIR = Path(__file__).with_name("configs")
+CONFIG_DIR_VARIABLE = "MOE_EXPERTS_TRITON_CONFIGS"  # a folder of <device>.json files read instead of CONFIG_DIR
 
 # Buffer dtypes are named by role: the weights' dtype, hidden_states' dtype, the routing weights' dtype, or fixed.
 WEIGHTS, HIDDEN, ROUTING, FLOAT32, INT32 = "weights", "hidden", "routing", "float32", "int32"
@@ -100,7 +102,7 @@ def _cdiv(a: int, b: int) -> int:
 
 @cache
 def _tuned(device: str) -> Mapping[str, Any]:
-    path = CONFIG_DIR / f"{device_file_name(device)}.json"
+    path = Path(os.environ.get(CONFIG_DIR_VARIABLE, CONFIG_DIR)) / f"{device_file_name(device)}.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -129,9 +131,22 @@ def default_config(kernel: str, N: int, K: int, rows_per_expert: float) -> TileC
                       num_warps=8 if BM >= 128 else 4, num_stages=3 if BM < 128 else 4)
 
 
+OVERRIDES: dict[tuple[str, int, int, int], TileConfig] = {}
+"""(kernel, N, K, E) -> the config to use whatever the data files say: the tuner's hook (clear the plan caches,
+``clear_caches()``, after changing it)."""
+
+
+def clear_caches() -> None:
+    for planner in (forward_plan, backward_plan, grouped_matmul_plan, grouped_matmul_wgrad_plan):
+        planner.cache_clear()
+    _tuned.cache_clear()
+
+
 def tile_config(device: str, kernel: str, N: int, K: int, E: int, slots: int) -> TileConfig:
     """The tuned config of the nearest row count (log scale) for this kernel and shape on ``device``, or
     ``default_config``."""
+    if (kernel, N, K, E) in OVERRIDES:
+        return OVERRIDES[kernel, N, K, E]
     rows = slots / max(E, 1)
     best, distance = None, math.inf
     for entry in _tuned(device).get("configs", ()):
@@ -157,6 +172,10 @@ _UNUSED = Buffer("unused", (1,), WEIGHTS)  # stands for an optional kernel outpu
 def _bias(problem: Problem, which: str) -> tuple[str, int, bool]:
     stride = problem.gate_up_bias_stride if which == "gate_up" else problem.down_bias_stride
     return (f"{which}_bias", stride, True) if stride is not None else ("x", 0, False)
+
+
+def _dot_precision(problem: Problem) -> str:
+    return "ieee" if problem.dtype == "float32" else "tf32"  # tf32 is the default; it only applies to float32
 
 
 def _expert_bins(E: int) -> int:
@@ -199,7 +218,8 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         stride_bn=b_strides[2], stride_bias_e=bias_stride, stride_cm=stride_cm, GATE_OFFSET=problem.I,
         A_BY_TOKEN=a_by_token, SCALE_A=scale_a, HAS_BIAS=has_bias, EPILOGUE=epilogue,
         ACTIVATION=ACTIVATION_CODES[problem.activation], STORE_PREACT=preact_out is not None,
-        C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E))
+        C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E),
+        DOT_PRECISION=_dot_precision(problem))
     return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
                 (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
                 (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
@@ -214,7 +234,7 @@ def _wgrad(problem: Problem, *, l: str, r: str, N: int, K: int, out: Buffer, bia
     constants = dict(E=E, N=N, K=K, TOP_K=problem.k, stride_lm=stride_lm, stride_rm=stride_rm,
                      L_BY_TOKEN=l_by_token, SCALE_L=scale_l, R_BY_TOKEN=r_by_token, R_GATED=r_gated,
                      HAS_BIAS=bias_out is not None, ACTIVATION=ACTIVATION_CODES[problem.activation],
-                     BN=cfg.BN, BK=cfg.BK, BR=cfg.BM)
+                     BN=cfg.BN, BK=cfg.BK, BR=cfg.BM, DOT_PRECISION=_dot_precision(problem))
     return Step("grouped_wgrad_kernel", E * _cdiv(N, cfg.BN) * _cdiv(K, cfg.BK),
                 (l, r, "counts", "starts", "order", "w"), (out, bias_out or _UNUSED), constants,
                 cfg.num_warps, cfg.num_stages)

@@ -1,0 +1,449 @@
+"""Backend ``triton`` on the GPU (run on the lent H200; not collected by pytest):
+
+    python tests/device_triton_check.py --out DIR --parts vectors,graphs
+    python tests/device_triton_check.py --out DIR --parts tune --configs-out /tmp/moe-configs
+
+``vectors``: every shared vector through ``triton`` in torch and JAX, forward and every gradient, within the
+tolerance table; torch and JAX outputs and gradients bit-identical; two runs bit-identical (split over worker
+processes, which also compile in parallel). ``graphs``: CUDA-graph capture and replay in torch; torch.compile
+(fullgraph) in every mode, inference and training; JAX grouped_mm on the Triton kernel; which kernels ran.
+``tune``: times candidate tile configs per kernel and shape (compiled in parallel first), writes the best as
+``<configs-out>/nvidia-h200.json`` (the format of shared/kernels/configs) and the decode threshold per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from moe_shared import load_spec, relative_l2  # noqa: E402
+from moe_shared.kernels import plan as plans  # noqa: E402
+from moe_shared.vectors import load_cases  # noqa: E402
+from support import DIFF_ARGS, random_case  # noqa: E402
+
+SPEC = load_spec()
+CASES = load_cases()
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2),
+          "deepseek-v3": (7168, 2048, 256, 8)}
+
+
+def record(results, kind, name, fn):
+    start = time.perf_counter()
+    try:
+        results.append({"kind": kind, "name": name, "ok": True, "detail": fn(),
+                        "s": round(time.perf_counter() - start, 2)})
+    except Exception as err:  # recorded: one run collects every outcome
+        results.append({"kind": kind, "name": name, "ok": False, "detail": f"{type(err).__name__}: {err}"[:800],
+                        "trace": traceback.format_exc()[-2000:]})
+
+
+# --- vectors ------------------------------------------------------------------------------------------------------
+
+def torch_vector(case, training=True):
+    import torch
+    import moe_torch
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[case.dtype]
+    ts = {n: torch.from_numpy(np.ascontiguousarray(a)).cuda() if n == "top_k_index" else
+          torch.from_numpy(np.ascontiguousarray(a)).cuda().to(dt).requires_grad_(training)
+          for n, a in case.inputs.items()}
+    out = moe_torch.experts_forward(**ts, implementation="triton", activation=case.activation)
+    result = {"out": out.detach().float().cpu().numpy()}
+    if training:
+        grad = torch.from_numpy(case.grad_output.astype(np.float32)).cuda().to(dt)
+        out.backward(grad)
+        result |= {f"grad_{n}": t.grad.float().cpu().numpy() for n, t in ts.items() if n in DIFF_ARGS}
+    return result
+
+
+def jax_vector(case, training=True):
+    import jax
+    import jax.numpy as jnp
+    import moe_jax
+    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[case.dtype]
+    values = {n: jnp.asarray(a) if n == "top_k_index" else jnp.asarray(a).astype(dt) for n, a in case.inputs.items()}
+    names = [n for n in DIFF_ARGS if n in values]
+
+    def f(*diff):
+        return moe_jax.experts_forward(**(values | dict(zip(names, diff))), implementation="triton",
+                                       activation=case.activation)
+
+    if not training:
+        return {"out": np.asarray(jax.jit(f)(*(values[n] for n in names)).astype(jnp.float32))}
+    out, vjp = jax.vjp(jax.jit(f), *(values[n] for n in names))
+    grads = jax.jit(vjp)(jnp.asarray(case.grad_output.astype(np.float32)).astype(dt))
+    result = {"out": np.asarray(out.astype(jnp.float32))}
+    return result | {f"grad_{n}": np.asarray(g.astype(jnp.float32)) for n, g in zip(names, grads)}
+
+
+def check_vector(case):
+    tol = SPEC.tolerance_for(case.dtype)
+    detail = {}
+    for framework, run in (("torch", torch_vector), ("jax", jax_vector)):
+        res = run(case)
+        errs = {n: relative_l2(v, case.expected[n]) for n, v in res.items()}
+        detail[framework] = max(errs.values())
+        if detail[framework] > tol:
+            raise AssertionError(f"{framework}: {errs} > {tol}")
+        detail[f"{framework}_result"] = res
+        inference = run(case, training=False)["out"]
+        err = relative_l2(inference, case.expected["out"])
+        if err > tol:
+            raise AssertionError(f"{framework} inference: {err} > {tol}")
+        detail[f"{framework}_inference"] = inference
+    torch_res, jax_res = detail.pop("torch_result"), detail.pop("jax_result")
+    detail["bit_identical"] = {n: bool(np.array_equal(torch_res[n], jax_res[n])) for n in torch_res}
+    detail["bit_identical"]["inference"] = bool(np.array_equal(detail.pop("torch_inference"),
+                                                               detail.pop("jax_inference")))
+    again = torch_vector(case)
+    detail["repeat_identical"] = all(np.array_equal(again[n], torch_res[n]) for n in again)
+    if not all(detail["bit_identical"].values()) or not detail["repeat_identical"]:
+        raise AssertionError(f"not bit-identical: {detail}")
+    return detail
+
+
+def vectors_worker(index, count, out):
+    results = []
+    for case in CASES[index::count]:
+        record(results, "vector", case.name, lambda c=case: check_vector(c))
+    Path(out).write_text(json.dumps(results))
+
+
+def parallel(part, count, out_dir, extra=()):
+    """Run ``--worker part`` in ``count`` processes (the Triton compiles happen in parallel); their results."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", part, "--index", str(i), "--count", str(count),
+                               "--worker-out", str(out_dir / f"{part}-{i}.json"), *extra]) for i in range(count)]
+    for p in procs:
+        p.wait()
+    results = []
+    for i in range(count):
+        path = out_dir / f"{part}-{i}.json"
+        results += json.loads(path.read_text()) if path.exists() else [
+            {"kind": part, "name": f"worker {i}", "ok": False, "detail": "worker wrote nothing"}]
+    return results
+
+
+# --- graphs and compile -------------------------------------------------------------------------------------------
+
+def graph_checks(results):
+    import torch
+    import moe_torch
+
+    def inputs(seed, T=256, dtype=torch.bfloat16, grad=False, bias=True):
+        arrays = random_case(seed, T=T, H=256, I=128, E=16, k=4, bias=bias, empty_fraction=0.1)[0]
+        return {n: torch.from_numpy(a).cuda() if n == "top_k_index" else
+                torch.from_numpy(a).cuda().to(dtype).requires_grad_(grad) for n, a in arrays.items()}
+
+    def cuda_graph():
+        static = inputs(1)
+        fresh = inputs(2)
+        f = lambda: moe_torch.experts_forward(**static, implementation="triton")
+        f()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = f()
+        for name, t in fresh.items():
+            static[name].copy_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = moe_torch.experts_forward(**fresh, implementation="triton")
+        return {"replay_equals_eager": bool(torch.equal(out, expected))}
+
+    record(results, "cuda-graph", "capture and replay (inference)", cuda_graph)
+
+    def compiled(mode, dtype, training):
+        torch._dynamo.reset()
+        ts = inputs(3, dtype=dtype, grad=training)
+        fn = torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="triton"), fullgraph=True,
+                           mode=None if mode == "default" else mode)
+        for _ in range(3):  # the cudagraph modes record on a later call
+            out = fn(**ts)
+        expected = moe_torch.experts_forward(**ts, implementation="triton")
+        detail = {"out_equal": bool(torch.equal(out, expected))}
+        if training:
+            g = torch.randn_like(out)
+            grads = torch.autograd.grad(out, [ts["hidden_states"], ts["gate_up_proj"]], g)
+            want = torch.autograd.grad(expected, [ts["hidden_states"], ts["gate_up_proj"]], g)
+            detail["grads_equal"] = all(bool(torch.equal(a, b)) for a, b in zip(grads, want))
+        if not all(detail.values()):
+            raise AssertionError(detail)
+        return detail
+
+    support = SPEC.backends["triton"].support("torch").compile
+    for mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        for dtype in support.dtypes:
+            for training in (False, True):
+                record(results, "torch-compile", f"{mode}/{dtype}/{'train' if training else 'inference'}",
+                       lambda m=mode, d=dtype, t=training: compiled(m, getattr(torch, d), t))
+
+    def jax_grouped_mm():
+        import jax
+        import jax.numpy as jnp
+        import moe_jax
+        worst = 0.0
+        for case in CASES:
+            if case.dtype != "bfloat16":
+                continue
+            values = {n: jnp.asarray(a) if n == "top_k_index" else jnp.asarray(a).astype(jnp.bfloat16)
+                      for n, a in case.inputs.items()}
+            names = [n for n in DIFF_ARGS if n in values]
+            f = jax.jit(lambda *d: moe_jax.experts_forward(**(values | dict(zip(names, d))),
+                                                           implementation="grouped_mm", activation=case.activation))
+            out, vjp = jax.vjp(f, *(values[n] for n in names))
+            grads = vjp(jnp.asarray(case.grad_output.astype(np.float32)).astype(jnp.bfloat16))
+            errs = [relative_l2(np.asarray(out.astype(jnp.float32)), case.expected["out"])]
+            errs += [relative_l2(np.asarray(g.astype(jnp.float32)), case.expected[f"grad_{n}"])
+                     for n, g in zip(names, grads)]
+            worst = max(worst, *errs)
+        text = f.lower(*(values[n] for n in names)).compile().as_text()
+        if worst > SPEC.tolerance_for("bfloat16"):
+            raise AssertionError(f"worst {worst}")
+        return {"worst_rel_l2": worst, "triton_calls_in_hlo": text.count("triton_kernel_call"),
+                "ragged_dot_in_hlo": text.count("ragged-dot")}
+
+    record(results, "jax-grouped-mm", "grouped_mm on the Triton kernel (bf16 vectors)", jax_grouped_mm)
+
+    def torch_profile():
+        from torch.profiler import ProfilerActivity, profile
+        ts = inputs(4)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            moe_torch.experts_forward(**ts, implementation="triton")
+            torch.cuda.synchronize()
+        return sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+
+    record(results, "kernels-ran", "torch triton forward T=256", torch_profile)
+
+
+# --- tuning -------------------------------------------------------------------------------------------------------
+
+C = plans.TileConfig
+ROW_CANDIDATES = {
+    "large": [C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 4), C(128, 64, 64, 4, 4), C(64, 128, 64, 4, 4),
+              C(128, 256, 64, 8, 3), C(128, 128, 32, 4, 4)],
+    "mid": [C(64, 128, 64, 4, 3), C(64, 64, 64, 4, 4), C(32, 128, 64, 4, 4), C(64, 128, 64, 8, 3),
+            C(32, 64, 128, 4, 3)],
+    "small": [C(16, 64, 128, 4, 3), C(16, 128, 64, 4, 4), C(16, 64, 64, 4, 4), C(16, 32, 128, 4, 4),
+              C(32, 64, 64, 4, 4)],
+}
+WGRAD_CANDIDATES = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 64, 4, 3), C(64, 64, 128, 4, 4),
+                    C(128, 128, 128, 8, 2)]
+DECODE_CANDIDATES = [C(1, 32, 256, 4, 2), C(1, 16, 256, 4, 2), C(1, 64, 128, 4, 2), C(1, 16, 512, 4, 2),
+                     C(1, 32, 128, 2, 2)]
+FORWARD_TOKENS = (64, 1024, 8192)
+BACKWARD_TOKENS = (8192,)
+DECODE_TOKENS = (1, 2, 4)
+
+
+def _rows_class(slots, E):
+    rows = slots / E
+    return "large" if rows >= 128 else "mid" if rows >= 32 else "small"
+
+
+def tune_jobs():
+    """(shape, T, kernel, N, K, candidate, mode) for every timing of the tuning."""
+    jobs = []
+    for shape, (H, I, E, k) in SHAPES.items():
+        for T in FORWARD_TOKENS:
+            for kernel, N, K in (("gate_up", I, H), ("down", H, I)):
+                for c in ROW_CANDIDATES[_rows_class(T * k, E)]:
+                    if kernel == "gate_up" and c.BN > 128:
+                        continue
+                    jobs.append((shape, T, kernel, N, K, c, "fwd"))
+        for T in BACKWARD_TOKENS:
+            for kernel, N, K in (("dgrad_down", I, H), ("dgrad_up", H, 2 * I)):
+                for c in ROW_CANDIDATES[_rows_class(T * k, E)]:
+                    jobs.append((shape, T, kernel, N, K, c, "bwd"))
+            for N, K in ((H, I), (2 * I, H)):
+                for c in WGRAD_CANDIDATES:
+                    jobs.append((shape, T, "wgrad", N, K, c, "bwd"))
+        for T in DECODE_TOKENS:
+            for kernel_n, kernel_k in ((I, H), (H, I)):
+                for c in DECODE_CANDIDATES:
+                    jobs.append((shape, T, "decode", kernel_n, kernel_k, c, "decode"))
+    return jobs
+
+
+_STATE = {}
+
+
+def _point(shape, T):
+    """Weights and inputs of one shape and token count (cached), as the benchmark makes them."""
+    import torch
+    key = (shape, T)
+    if key not in _STATE:
+        H, I, E, k = SHAPES[shape]
+        g = torch.Generator("cuda").manual_seed(zlib.crc32(repr(key).encode()))
+        if shape not in _STATE:
+            _STATE[shape] = (torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * H**-0.5,
+                             torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=g) * I**-0.5)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(T, E, device="cuda", generator=g)
+        w, idx = torch.topk(torch.softmax(logits, -1), k, -1)
+        _STATE[key] = (x, idx, w.to(torch.bfloat16), torch.randn(T, H, device="cuda", dtype=torch.bfloat16,
+                                                                 generator=g))
+    return _STATE[shape], _STATE[key]
+
+
+def _callable(shape, T, mode):
+    """The call the timing measures: the inference forward (sorted path, or the decode kernels), or the backward
+    plan alone (from the residuals of one training forward)."""
+    import torch
+    from moe_torch.backends import triton as backend
+    (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+    problem = backend.problem_of(x, idx, gate_up, down, None, None, "silu")
+    env = backend._inputs(x, idx, w, gate_up, down, None, None)
+    if mode == "bwd":
+        forward = plans.forward_plan(problem, training=True)
+        base = backend.run_plan(forward, dict(env))
+        env = env | {n: base[n] for n in forward.residuals} | {"dout": dout}
+        plan = plans.backward_plan(problem)
+    else:
+        plan = _forward_with_decode_limit(problem, 1 << 30 if mode == "decode" else 0)
+    return lambda: backend.run_plan(plan, dict(env))
+
+
+def _forward_with_decode_limit(problem, limit):
+    saved = plans.decode_max_slots
+    plans.decode_max_slots = lambda device, p: limit
+    try:
+        plans.forward_plan.cache_clear()
+        return plans.forward_plan(problem)
+    finally:
+        plans.decode_max_slots = saved
+        plans.forward_plan.cache_clear()
+
+
+def _with_candidate(job):
+    shape, T, kernel, N, K, c, mode = job
+    plans.OVERRIDES.clear()
+    plans.OVERRIDES[kernel, N, K, SHAPES[shape][2]] = c
+    plans.clear_caches()
+    return _callable(shape, T, mode)
+
+
+def tune_worker(index, count, out):
+    import torch
+    done = []
+    for job in tune_jobs()[index::count]:
+        try:
+            _with_candidate(job)()
+            torch.cuda.synchronize()
+            done.append(True)
+        except Exception:
+            done.append(False)
+    Path(out).write_text(json.dumps([{"kind": "tune-warm", "name": f"worker {index}", "ok": True,
+                                      "detail": {"compiled": sum(done), "failed": done.count(False)}}]))
+
+
+def tune(results, configs_out: Path):
+    import torch
+    from triton.testing import do_bench
+    timings = []
+    for job in tune_jobs():
+        shape, T, kernel, N, K, c, mode = job
+        try:
+            fn = _with_candidate(job)
+            ms = do_bench(fn, warmup=5, rep=30)
+            timings.append({"shape": shape, "T": T, "kernel": kernel, "N": N, "K": K, "E": SHAPES[shape][2],
+                            "slots": T * SHAPES[shape][3], "config": c.__dict__, "ms": ms, "mode": mode})
+        except Exception as err:
+            timings.append({"shape": shape, "T": T, "kernel": kernel, "N": N, "K": K, "config": c.__dict__,
+                            "error": f"{type(err).__name__}: {err}"[:300]})
+        torch.cuda.synchronize()
+    plans.OVERRIDES.clear()
+    plans.clear_caches()
+    best = {}
+    for t in timings:
+        if "ms" not in t:
+            continue
+        key = (t["kernel"], t["N"], t["K"], t["E"], t["slots"])
+        if key not in best or t["ms"] < best[key]["ms"]:
+            best[key] = t
+    # decode threshold per shape: the largest slot count at which the decode kernels beat the sorted path
+    decode = {}
+    for shape, (H, I, E, k) in SHAPES.items():
+        limit = 0
+        for T in (1, 2, 4, 8, 16):
+            d = do_bench(_callable(shape, T, "decode"), warmup=5, rep=30)
+            s = do_bench(_callable(shape, T, "fwd"), warmup=5, rep=30)
+            timings.append({"shape": shape, "T": T, "decode_ms": d, "sorted_ms": s})
+            if d < s and limit == (T // 2) * k:
+                limit = T * k
+        decode[f"{H}x{I}x{E}"] = limit
+    table = {
+        "device": torch.cuda.get_device_name(),
+        "measured_with": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+        "note": "written by tests/device_triton_check.py --parts tune: the fastest candidate per kernel, shape and "
+                "slot count (triton.testing.do_bench median of the whole forward or backward plan)",
+        "decode_max_slots": decode | {"default": 16},
+        "configs": [{"kernel": t["kernel"], "N": t["N"], "K": t["K"], "E": t["E"], "slots": t["slots"],
+                     "config": t["config"], "ms": round(t["ms"], 5)} for t in best.values()],
+    }
+    configs_out.mkdir(parents=True, exist_ok=True)
+    (configs_out / f"{plans.device_file_name(table['device'])}.json").write_text(json.dumps(table, indent=1))
+    results.append({"kind": "tune", "name": "tile configs", "ok": True,
+                    "detail": {"entries": len(best), "decode_max_slots": decode, "timings": timings}})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path)
+    p.add_argument("--parts", default="vectors,graphs")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--configs-out", type=Path, default=Path("/tmp/moe-configs"))
+    p.add_argument("--worker")
+    p.add_argument("--index", type=int)
+    p.add_argument("--count", type=int)
+    p.add_argument("--worker-out")
+    args = p.parse_args()
+    if args.worker:
+        {"vectors": vectors_worker, "tune": tune_worker}[args.worker](args.index, args.count, args.worker_out)
+        return
+    import torch
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    meta = {"torch": torch.__version__, "triton": __import__("triton").__version__,
+            "jax": __import__("jax").__version__, "device": torch.cuda.get_device_name()}
+    started = time.perf_counter()
+    parts = args.parts.split(",")
+    if "vectors" in parts:
+        results += parallel("vectors", args.workers, args.out)
+    if "graphs" in parts:
+        graph_checks(results)
+    if "tune" in parts:
+        t0 = time.perf_counter()
+        results += parallel("tune", args.workers, args.out)
+        results[-1]["detail"]["warm_s"] = round(time.perf_counter() - t0, 1)
+        tune(results, args.configs_out)
+    meta["seconds"] = round(time.perf_counter() - started, 1)
+    summary = {}
+    for r in results:
+        s = summary.setdefault(r["kind"], {"passed": 0, "failed": 0})
+        s["passed" if r["ok"] else "failed"] += 1
+    (args.out / f"triton-{'-'.join(parts)}.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1, default=str))
+    print(json.dumps(meta))
+    for kind, s in summary.items():
+        print(f"{kind:20s} passed {s['passed']:4d} failed {s['failed']:4d}")
+    for r in results:
+        if not r["ok"]:
+            print("FAIL", r["kind"], r["name"], r["detail"][:400])
+        elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm"):
+            print("OK", r["kind"], r["name"], str(r["detail"])[:300])
+
+
+if __name__ == "__main__":
+    main()
