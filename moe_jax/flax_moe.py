@@ -16,10 +16,10 @@ from flax import nnx
 from moe_shared import check_activation
 from moe_shared.switching import apply_request, auto_backend, summarize
 
+from . import parallel
 from .api import BACKENDS, experts_forward
 from .base import device_class, platform_of
-
-AUTO = "auto"
+from .parallel import AUTO
 
 
 def _check_backend(name) -> None:
@@ -36,16 +36,26 @@ def resolve_backend(backend: str, hidden_states, top_k_index) -> str:
     return auto_backend("jax", device_class(platform_of(hidden_states)), math.prod(top_k_index.shape))
 
 
+class DroppedSlots(nnx.Variable):
+    """Running count of the routed slots an expert-parallel exchange dropped (over its capacity)."""
+
+
 class Experts(nnx.Module):
     """E gated-MLP experts run by a named backend (or "auto").
 
     ``__call__(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``. ``dtype`` is the
     computation dtype (None: the parameters'); ``param_dtype`` the storage dtype of the parameters.
+
+    Expert parallelism: with a ``mesh``, the parameters are sharded on E over its axis ``expert_axis`` and calls
+    run ``moe_jax.parallel.experts_forward`` (tokens split over the same axis; ``capacity_factor`` as there).
+    ``dropped_slots`` then counts the slots dropped over the capacity, summed over calls (0 with the default
+    capacity, which never drops).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  activation: str | Callable = "silu", bias: bool = False, backend: str = "grouped_mm",
-                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
+                 expert_axis: str = "expert", capacity_factor: float | None = None, rngs: nnx.Rngs):
         for arg, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                            ("intermediate_size", intermediate_size)):
             if not isinstance(value, int) or value < 1:
@@ -58,10 +68,18 @@ class Experts(nnx.Module):
         self.backend = backend
         self.dtype = dtype
         self.param_dtype = param_dtype
+        self.mesh, self.expert_axis, self.capacity_factor = mesh, expert_axis, capacity_factor
+        if mesh is not None:
+            parallel.check_mesh(mesh, expert_axis, num_experts, capacity_factor)
+            self.dropped_slots = DroppedSlots(jnp.zeros((), jnp.int32))
 
         def uniform(shape, fan_in):
             bound = 1.0 / math.sqrt(fan_in)
-            return nnx.Param(jax.random.uniform(rngs.params(), shape, param_dtype, -bound, bound))
+            value = jax.random.uniform(rngs.params(), shape, param_dtype, -bound, bound)
+            if mesh is None:
+                return nnx.Param(value)
+            return nnx.Param(value, out_sharding=parallel.expert_spec(expert_axis, len(shape)), mesh=mesh,
+                             eager_sharding=True)
 
         self.gate_up_proj = uniform((E, 2 * I, H), H)
         self.down_proj = uniform((E, H, I), I)
@@ -79,6 +97,13 @@ class Experts(nnx.Module):
             hidden_states = hidden_states.astype(self.dtype)
             params = [p if p is None else p.astype(self.dtype) for p in params]
         gate_up, down, gate_up_bias, down_bias = params
+        if self.mesh is not None:
+            out, dropped = parallel.experts_forward(
+                hidden_states, top_k_index, top_k_weights, gate_up, down, mesh=self.mesh, axis=self.expert_axis,
+                implementation=self.backend, activation=self.activation, gate_up_bias=gate_up_bias,
+                down_bias=down_bias, capacity_factor=self.capacity_factor)
+            self.dropped_slots.set_value(self.dropped_slots.get_value() + dropped)
+            return out
         return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down,
                                implementation=resolve_backend(self.backend, hidden_states, top_k_index),
                                activation=self.activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
