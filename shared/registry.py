@@ -8,6 +8,17 @@ from collections.abc import Callable, Iterator, Mapping
 from .spec import FrameworkSupport, load_spec
 
 
+PACKAGES_PRESENT: dict[str, bool] = {}
+"""Import name -> whether it is installed, looked up once per process (at registration, so that the check costs a
+dict lookup on every call and torch.compile traces no import machinery)."""
+
+
+def package_present(package: str) -> bool:
+    if package not in PACKAGES_PRESENT:
+        PACKAGES_PRESENT[package] = importlib.util.find_spec(package) is not None
+    return PACKAGES_PRESENT[package]
+
+
 class UnknownBackendError(ValueError, KeyError):
     """Raised for a name that is not registered (a ValueError; a KeyError so that ``in`` works)."""
 
@@ -32,6 +43,8 @@ class BackendRegistry(Mapping[str, Callable]):
             capability = declared[name].frameworks.get(self.framework)
         self._functions[name] = fn
         self._capabilities[name] = capability
+        for package in capability.requires.packages if capability is not None else ():
+            package_present(package)
 
     def unregister(self, name: str) -> None:
         """Remove a backend added with ``register``."""
@@ -70,7 +83,7 @@ class BackendRegistry(Mapping[str, Callable]):
         if support is None:  # a user backend without a declared capability
             return
         for package, extra in support.requires.packages.items():
-            if importlib.util.find_spec(package) is None:
+            if not package_present(package):
                 raise ImportError(f"implementation {name!r} needs the package {package!r}: "
                                   f"pip install 'moe-experts[{extra}]'")
         if device_class not in support.devices:

@@ -256,8 +256,8 @@ def test_unavailable_on_cpu_with_reasons():
 
 
 def test_missing_triton_names_the_extra(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    from moe_shared import registry
+    monkeypatch.setitem(registry.PACKAGES_PRESENT, "triton", False)
     with pytest.raises(ImportError, match=r"needs the package 'triton': pip install 'moe-experts\[gpu\]'"):
         moe_torch.api.check_requirements("triton", torch.device("cpu"), torch.bfloat16)
 

@@ -14,8 +14,9 @@ combine), so the same inputs give the same bits on every run and in both framewo
 import triton
 import triton.language as tl
 
-SILU, GELU, RELU = 0, 1, 2  # ACTIVATION codes
-PLAIN, GATED_FORWARD, GATED_BACKWARD = 0, 1, 2  # EPILOGUE codes
+# ACTIVATION and EPILOGUE codes (globals a kernel reads must be constexpr)
+SILU, GELU, RELU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+PLAIN, GATED_FORWARD, GATED_BACKWARD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
