@@ -148,7 +148,7 @@ def _torch_tools():
 
 
 def _torch_parity(results, label, rank, world_size, case, backend, *, dtype="float32", bias=True,
-                  activation="silu", local=False):
+                  activation="silu", local=False, device="cpu"):
     """EP forward and gradients on this rank's tokens vs one process running every rank's tokens."""
     torch, moe_torch, ExpertParallel, dtypes = _torch_tools()
     from torch import nn
@@ -156,16 +156,17 @@ def _torch_parity(results, label, rank, world_size, case, backend, *, dtype="flo
     E = 2 * world_size
     torch.manual_seed(0)
     full = moe_torch.Experts(E, H, I, activation=activation, bias=bias, experts_implementation=backend,
-                             dtype=dtypes[dtype])
+                             dtype=dtypes[dtype]).to(device)
     problems = [rank_problem(case, r, world_size, E, bias=bias) for r in range(world_size)]
-    as_t = lambda a, name: torch.from_numpy(a) if name == "top_k_index" else torch.from_numpy(a).to(dtypes[dtype])
+    as_t = lambda a, name: torch.from_numpy(a).to(device) if name == "top_k_index" else \
+        torch.from_numpy(a).to(device, dtypes[dtype])
     inputs = [{n: as_t(a[n], n) for n in ("hidden_states", "top_k_index", "top_k_weights")} for a, _ in problems]
-    grads_out = [torch.from_numpy(dy).to(dtypes[dtype]) for _, dy in problems]
+    grads_out = [torch.from_numpy(dy).to(device, dtypes[dtype]) for _, dy in problems]
 
     if local:
         share = E // world_size
         shard = moe_torch.Experts(share, H, I, activation=activation, bias=bias, experts_implementation=backend,
-                                  dtype=dtypes[dtype])
+                                  dtype=dtypes[dtype], device=device)
         with torch.no_grad():
             for name, p in shard.named_parameters():
                 p.copy_(getattr(full, name)[rank * share:(rank + 1) * share])
@@ -188,7 +189,7 @@ def _torch_parity(results, label, rank, world_size, case, backend, *, dtype="flo
     rows = slice(lo, lo + inputs[rank]["hidden_states"].shape[0])
     ep = model["moe"]
     experts = slice(ep.first_expert, ep.first_expert + ep.num_local_experts)
-    err = lambda a, b: relative_l2(a.detach().double().numpy(), b.detach().double().numpy())
+    err = lambda a, b: relative_l2(a.detach().double().cpu().numpy(), b.detach().double().cpu().numpy())
     results[f"{label}/out"] = err(out, ref[rows])
     for n in ("hidden_states", "top_k_weights"):
         results[f"{label}/grad_{n}"] = err(mine[n].grad, whole[n].grad[rows])
