@@ -9,6 +9,8 @@ per slot, the down projection and the combine fused). No host sync and a grid fi
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from moe_shared import load_spec
@@ -25,6 +27,7 @@ def _kernels():
     return moe
 
 
+@cache
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
@@ -72,16 +75,12 @@ def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torc
     return env
 
 
-def _problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation):
-    return problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation)
-
-
 @torch.library.custom_op("moe_torch::triton_experts", mutates_args=())
 def triton_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                    activation: str) -> torch.Tensor:
     """The inference forward: [T, H] in x's dtype."""
-    plan = plans.forward_plan(_problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
+    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
     env = run_plan(plan, _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias))
     return env[plan.output].to(x.dtype)
 
@@ -99,7 +98,7 @@ def triton_experts_train(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ga
                          down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                          activation: str) -> list[torch.Tensor]:
     """The training forward: the output, then the residuals the backward reads (``_RESIDUALS``)."""
-    plan = plans.forward_plan(_problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation), training=True)
+    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation), training=True)
     env = run_plan(plan, _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias))
     return [env[plan.output]] + [env[name] for name in _RESIDUALS]
 
@@ -110,7 +109,7 @@ def _fake_buffers(plan, names, dtypes, device):
 
 @triton_experts_train.register_fake
 def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
-    plan = plans.forward_plan(_problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation), training=True)
+    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation), training=True)
     dtypes = _dtypes({"x": x, "w": w, "gate_up": gate_up})
     return _fake_buffers(plan, (plan.output,) + _RESIDUALS, dtypes, x.device)
 
@@ -124,7 +123,7 @@ def triton_experts_backward(dout: torch.Tensor, x: torch.Tensor, ids: torch.Tens
                             down_bias: torch.Tensor | None, residuals: list[torch.Tensor],
                             activation: str) -> list[torch.Tensor]:
     """Gradients of x, the routing weights, both weights and the biases present (in ``_GRADIENTS`` order)."""
-    problem = _problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation)
+    problem = problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation)
     env = _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) | dict(zip(_RESIDUALS, residuals))
     env["dout"] = dout.contiguous()
     env = run_plan(plans.backward_plan(problem), env)
@@ -133,7 +132,7 @@ def triton_experts_backward(dout: torch.Tensor, x: torch.Tensor, ids: torch.Tens
 
 @triton_experts_backward.register_fake
 def _(dout, x, ids, w, gate_up, down, gate_up_bias, down_bias, residuals, activation):
-    plan = plans.backward_plan(_problem(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
+    plan = plans.backward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
     dtypes = _dtypes({"x": x, "w": w, "gate_up": gate_up})
     return _fake_buffers(plan, [n for n in _GRADIENTS if n in plan.buffers], dtypes, x.device)
 
