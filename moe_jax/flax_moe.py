@@ -11,14 +11,16 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from moe_shared import check_activation
 from moe_shared.switching import apply_request, auto_backend, summarize
 
 from . import parallel
 from .api import BACKENDS, experts_forward
-from .base import device_class, platform_of
+from .base import device_class, is_traced, platform_of
 from .parallel import AUTO
 
 
@@ -38,6 +40,17 @@ def resolve_backend(backend: str, hidden_states, top_k_index) -> str:
 
 class DroppedSlots(nnx.Variable):
     """Running count of the routed slots an expert-parallel exchange dropped (over its capacity)."""
+
+
+class ExpertShardedParam(nnx.Param):
+    """A parameter sharded on E over a mesh axis (its ``mesh`` and ``out_sharding`` metadata): concrete values set
+    later, such as a loaded state dict, are placed the same way."""
+
+    def set_value(self, value, **kwargs):
+        meta = self.get_metadata()
+        if isinstance(value, (jax.Array, np.ndarray)) and not is_traced(value):
+            value = jax.device_put(value, NamedSharding(meta["mesh"], meta["out_sharding"]))
+        super().set_value(value, **kwargs)
 
 
 class Experts(nnx.Module):
@@ -78,8 +91,8 @@ class Experts(nnx.Module):
             value = jax.random.uniform(rngs.params(), shape, param_dtype, -bound, bound)
             if mesh is None:
                 return nnx.Param(value)
-            return nnx.Param(value, out_sharding=parallel.expert_spec(expert_axis, len(shape)), mesh=mesh,
-                             eager_sharding=True)
+            return ExpertShardedParam(value, out_sharding=parallel.expert_spec(expert_axis, len(shape)), mesh=mesh,
+                                      eager_sharding=True)
 
         self.gate_up_proj = uniform((E, 2 * I, H), H)
         self.down_proj = uniform((E, H, I), I)

@@ -502,7 +502,7 @@ def _jax_flax(results, mesh):
     jax, jnp, moe_jax, parallel = _jax_tools()
     from flax import nnx
 
-    from moe_jax import flax_moe
+    from moe_jax import convert, flax_moe
 
     arrays, dy = _jax_problem("crowded", 4, 8)
     x, idx, w = (jnp.asarray(arrays[n]) for n in ("hidden_states", "top_k_index", "top_k_weights"))
@@ -515,6 +515,11 @@ def _jax_flax(results, mesh):
     spec = sharded.gate_up_proj.get_value().sharding.spec
     results["flax/param_spec"] = [str(s) for s in spec]
     results["flax/param_shard_rows"] = sorted({s.data.shape[0] for s in sharded.down_bias.get_value().addressable_shards})
+    loaded = flax_moe.Experts(8, H, I, bias=True, mesh=mesh, rngs=nnx.Rngs(1))
+    convert.load_state_dict(loaded, convert.module_state_dict(plain))
+    results["flax/param_spec_after_load"] = [str(s) for s in loaded.gate_up_proj.get_value().sharding.spec]
+    results["flax/loaded_equal"] = bool(np.array_equal(np.asarray(loaded.down_proj.get_value()),
+                                                       np.asarray(plain.down_proj.get_value())))
 
     @nnx.jit
     def step(model, x, idx, w, dy):

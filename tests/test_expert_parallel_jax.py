@@ -56,6 +56,8 @@ def test_flax_module_sharded_on_experts(jax_results):
     tol = SPEC.tolerance_for("float32")
     assert jax_results["flax/param_spec"] == ["expert", "None", "None"]
     assert jax_results["flax/param_shard_rows"] == [2]  # 8 experts over 4 devices
+    assert jax_results["flax/param_spec_after_load"] == ["expert", "None", "None"]  # convert.load_state_dict
+    assert jax_results["flax/loaded_equal"] is True
     assert jax_results["flax/backend"] == {"": "auto"}
     for check in ("out", "grad_gate_up_proj", "grad_down_proj", "grad_gate_up_bias", "grad_down_bias"):
         assert jax_results[f"flax/{check}"] <= tol, check
