@@ -245,7 +245,10 @@ def torch_errors_suite(rank, world_size, results):
 
 
 def torch_dead_rank_suite(rank, world_size, results):
+    import torch.distributed as dist
+
     torch, moe_torch, ExpertParallel, _ = _torch_tools()
+    dist.barrier()  # both ranks are connected; then rank 1 dies
     if rank == 1:
         os._exit(3)
     _provoke(results, "dead_rank", lambda: ExpertParallel(moe_torch.Experts(2 * world_size, H, I)))
