@@ -19,7 +19,6 @@ the routing weights and every device's experts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ def _transport(name: str | None) -> str:
 
 
 def _dense_exchange(rows, send_index, axis_name):
-    """Rows gathered into the [W * C, H] send buffer (index -1: a zero row), then one all_to_all."""
+    """Rows gathered into the [W * C, H] send buffer (index len(rows): a zero row), then one all_to_all."""
     buffer = _with_zero_row(rows)[send_index]
     return lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
 

@@ -123,7 +123,8 @@ class ExpertParallel(nn.Module):
         rows = self._gather_layouts(_layout(experts, total), experts.gate_up_proj.device)
         if any(row != rows[0] for row in rows):
             listed = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
-            raise ValueError(f"experts: expected the same experts layout on every rank of the process group, got {listed}")
+            raise ValueError(f"experts: expected the same experts layout on every rank of the process group, "
+                             f"got {listed}")
         self.num_experts = total
         self.num_local_experts = experts_per_rank(total, self.world_size)
         self.first_expert = self.rank * self.num_local_experts

@@ -123,7 +123,8 @@ def torch_part(args, rank, world_size) -> dict:
     idx, w = torch.from_numpy(idx).to(device), torch.from_numpy(w).to(device, torch.bfloat16)
     dy = torch.randn(T, H, device=device, dtype=torch.bfloat16)
     share = E // world_size
-    gate_up, down = (torch.from_numpy(a).to(device, torch.bfloat16) for a in _weights(np.random.default_rng(7), E, H, I))
+    gate_up, down = (torch.from_numpy(a).to(device, torch.bfloat16)
+                     for a in _weights(np.random.default_rng(7), E, H, I))
 
     def step(module, mode):
         def fwd():
@@ -268,7 +269,8 @@ def _summarize_jax(res: dict) -> dict:
         if key.startswith("parity/") and isinstance(value, dict) and "error" in value:
             failures.append(f"{key}: {value['error']}")
         elif key.endswith("/dropped") and value != res.get(key.replace("/dropped", "/predicted_dropped"), 0):
-            failures.append(f"{key}: {value} dropped, predicted {res.get(key.replace('/dropped', '/predicted_dropped'))}")
+            predicted = res.get(key.replace("/dropped", "/predicted_dropped"), 0)
+            failures.append(f"{key}: {value} dropped, predicted {predicted}")
         elif isinstance(value, float) and not key.startswith("throughput/") and not value <= tol:
             failures.append(f"{key}: {value:.3e} > {tol:.0e}")
     return {"parity_failures": failures,

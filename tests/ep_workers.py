@@ -517,7 +517,8 @@ def _jax_flax(results, mesh):
     results["flax/backend"] = flax_moe.get_backend(sharded)
     spec = sharded.gate_up_proj.get_value().sharding.spec
     results["flax/param_spec"] = [str(s) for s in spec]
-    results["flax/param_shard_rows"] = sorted({s.data.shape[0] for s in sharded.down_bias.get_value().addressable_shards})
+    shards = sharded.down_bias.get_value().addressable_shards
+    results["flax/param_shard_rows"] = sorted({s.data.shape[0] for s in shards})
     loaded = flax_moe.Experts(8, H, I, bias=True, mesh=mesh, rngs=nnx.Rngs(1))
     convert.load_state_dict(loaded, convert.module_state_dict(plain))
     results["flax/param_spec_after_load"] = [str(s) for s in loaded.gate_up_proj.get_value().sharding.spec]
@@ -576,7 +577,8 @@ def _jax_errors(results, mesh):
                                              + jax.lax.axis_index("expert"), n, axis_name="expert")
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("expert"),
                                   out_specs=PartitionSpec("expert")))
-        jax.block_until_ready(f(jax.reshard(jnp.ones((16, 2)), jax.sharding.NamedSharding(mesh, PartitionSpec("expert")))))
+        x = jax.reshard(jnp.ones((16, 2)), jax.sharding.NamedSharding(mesh, PartitionSpec("expert")))
+        jax.block_until_ready(f(x))
 
     _provoke(results, "platform/ragged_all_to_all", ragged_on_this_platform)
     results["platform/transport"] = parallel.TRANSPORTS[jax.default_backend()]
