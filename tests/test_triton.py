@@ -8,6 +8,7 @@ tests/device_triton_check.py.
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +204,7 @@ def test_torch_opcheck():
     ts = to_torch(arrays, "float32")
     args = (ts["hidden_states"], ts["top_k_index"], ts["top_k_weights"], ts["gate_up_proj"], ts["down_proj"],
             ts["gate_up_bias"], ts["down_bias"], "silu")
-    torch.library.opcheck(torch.ops.moe_torch.triton_experts.default, args,
+    torch.library.opcheck(torch.ops.moe_torch.triton_experts.default, args + (True,),
                           test_utils=("test_schema", "test_faketensor"))
     train_args = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
                        for t in args)
@@ -293,3 +294,22 @@ def test_jax_grouped_mm_traces_only_present_platforms():
     values = to_jax(random_case(14, T=6, H=8, I=4, E=3, k=2, bias=False)[0], "float32")
     text = jax.jit(lambda v: moe_jax.experts_forward(**v, implementation="grouped_mm")).lower(values).as_text()
     assert "triton" not in text and "while" in text
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_atomic_combine_at_inference(framework):
+    """deterministic=False: the down GEMM adds w * y into float32 token rows (zeroed first) with atomics."""
+    arrays, _ = random_case(15, T=40, H=24, I=16, E=5, k=3, bias=True, empty_fraction=0.1)
+    problem = _problem(T=40, k=3, E=5, deterministic=False)
+    steps = plans.forward_plan(problem).steps
+    assert steps[-1].constants["ACCUMULATE"] and steps[-1].zeroed == (0,)
+    expected = torch_run(arrays, "float32", training=False)["out"]
+    if framework == "torch":
+        with torch.no_grad():
+            got = torch_triton_backend.experts_forward(**to_torch(arrays, "float32"), deterministic=False)
+        got = got.double().numpy()
+    else:
+        with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):
+            got = np.asarray(jax.jit(partial(jax_triton_backend.experts_forward, deterministic=False))(
+                **to_jax(arrays, "float32")), np.float64)
+    assert relative_l2(got, expected) <= 1e-6

@@ -80,14 +80,16 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation) -> plans.Problem:
+def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+               deterministic: bool = True) -> plans.Problem:
     E, H, I = down_proj.shape
     return plans.Problem(
         T=x.shape[0], H=H, I=I, E=E, k=top_k_index.shape[1], activation=activation,
         dtype=jnp.dtype(gate_up_proj.dtype).name, gate_up_strides=_contiguous_strides(gate_up_proj.shape),
         down_strides=_contiguous_strides(down_proj.shape),
         gate_up_bias_stride=None if gate_up_bias is None else gate_up_bias.shape[1],
-        down_bias_stride=None if down_bias is None else down_bias.shape[1], device=_device_name())
+        down_bias_stride=None if down_bias is None else down_bias.shape[1], device=_device_name(),
+        deterministic=deterministic)
 
 
 def run_plan(plan: plans.Plan, env: dict, dtypes: dict | None = None) -> dict:
@@ -117,24 +119,25 @@ def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict:
     return env
 
 
-def _run_forward(args, activation: str, training: bool):
-    plan = plans.forward_plan(problem_of(*args[:2], *args[3:], activation), training=training)
+def _run_forward(args, activation: str, training: bool, deterministic: bool = True):
+    plan = plans.forward_plan(problem_of(*args[:2], *args[3:], activation, deterministic), training=training)
     env = run_plan(plan, _inputs(*args))
     return env[plan.output].astype(args[0].dtype), tuple(env[n] for n in plan.residuals)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _experts(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
-    return _run_forward((x, ids, w, gate_up, down, gate_up_bias, down_bias), activation, training=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _experts(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, deterministic):
+    return _run_forward((x, ids, w, gate_up, down, gate_up_bias, down_bias), activation, training=False,
+                        deterministic=deterministic)[0]
 
 
-def _experts_fwd(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+def _experts_fwd(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, deterministic):
     args = (x, ids, w, gate_up, down, gate_up_bias, down_bias)
     out, residuals = _run_forward(args, activation, training=True)
     return out, (args, residuals)
 
 
-def _experts_bwd(activation, saved, dout):
+def _experts_bwd(activation, deterministic, saved, dout):
     args, residuals = saved
     x, ids, w, gate_up, down, gate_up_bias, down_bias = args
     plan = plans.backward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
@@ -151,10 +154,12 @@ _experts.defvjp(_experts_fwd, _experts_bwd)
 
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
-                    activation="silu", gate_up_bias=None, down_bias=None):
+                    activation="silu", gate_up_bias=None, down_bias=None, deterministic=True):
+    """The common signature; ``deterministic=False`` as in moe_torch's triton backend (atomic combine, inference
+    only: a differentiated forward is always the deterministic one)."""
     SUPPORT.check_activation(NAME, activation)
     return _experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                    activation)
+                    activation, deterministic)
 
 
 # --- a plain grouped matmul: moe_jax grouped_mm's kernel on GPU --------------------------------------------------

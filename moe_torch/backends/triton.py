@@ -32,7 +32,8 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation) -> plans.Problem:
+def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+               deterministic: bool = True) -> plans.Problem:
     E, H, I = down_proj.shape
     return plans.Problem(
         T=x.shape[0], H=H, I=I, E=E, k=top_k_index.shape[1], activation=activation,
@@ -40,7 +41,7 @@ def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias,
         gate_up_strides=tuple(gate_up_proj.stride()), down_strides=tuple(down_proj.stride()),
         gate_up_bias_stride=None if gate_up_bias is None else gate_up_bias.stride(0),
         down_bias_stride=None if down_bias is None else down_bias.stride(0),
-        device=_device_name(x.device))
+        device=_device_name(x.device), deterministic=deterministic)
 
 
 def _dtypes(env) -> dict:
@@ -78,15 +79,15 @@ def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torc
 @torch.library.custom_op("moe_torch::triton_experts", mutates_args=())
 def triton_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
-                   activation: str) -> torch.Tensor:
+                   activation: str, deterministic: bool) -> torch.Tensor:
     """The inference forward: [T, H] in x's dtype."""
-    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
+    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation, deterministic))
     env = run_plan(plan, _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias))
     return env[plan.output].to(x.dtype)
 
 
 @triton_experts.register_fake
-def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, deterministic):
     return x.new_empty(x.shape[0], down.shape[1])
 
 
@@ -157,9 +158,12 @@ triton_experts_train.register_autograd(_backward, setup_context=_setup_context)
 
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
-                    activation="silu", gate_up_bias=None, down_bias=None):
+                    activation="silu", gate_up_bias=None, down_bias=None, deterministic=True):
+    """The common signature; ``deterministic=False`` (inference only, this module's function) lets the down GEMM
+    add its rows into float32 token rows with atomics instead of the per-token combine kernel: the order of the
+    additions, and so the last bits, then vary from run to run. Under autograd the forward is always deterministic."""
     SUPPORT.check_activation(NAME, activation)
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return triton_experts_train(*args, activation)[0].to(hidden_states.dtype)
-    return triton_experts(*args, activation)
+    return triton_experts(*args, activation, deterministic)
