@@ -383,6 +383,15 @@ def tune(results, configs_out: Path):
             if d < s and limit == (T // 2) * k:
                 limit = T * k
         decode[f"{H}x{I}x{E}"] = limit
+    # the atomic combine (deterministic=False) against the deterministic one, inference forward
+    for shape in SHAPES:
+        for T in (64, 4096):
+            (gate_up, down), (x, idx, w, _) = _point(shape, T)
+            from moe_torch.backends import triton as backend
+            with torch.no_grad():
+                times = {d: do_bench(lambda d=d: backend.experts_forward(x, idx, w, gate_up, down, deterministic=d),
+                                     warmup=5, rep=30) for d in (True, False)}
+            timings.append({"shape": shape, "T": T, "deterministic_ms": times[True], "atomic_ms": times[False]})
     table = {
         "device": torch.cuda.get_device_name(),
         "measured_with": {"torch": torch.__version__, "triton": __import__("triton").__version__},
