@@ -11,7 +11,7 @@ from flax import nnx
 
 from moe_jax import convert, flax_moe, gates
 from moe_shared import relative_l2
-from support import SPEC
+from support import SPEC, cpu_backends
 
 
 def _routing(T, E, k, seed=0):
@@ -56,7 +56,7 @@ def test_hf_experts_state_dict_into_flax_gives_the_hf_outputs(family):
     experts = flax_moe.Experts(d["num_experts"], d["hidden"], d["inter"], activation=d["gate"], bias=bias,
                                rngs=nnx.Rngs(0))
     convert.load_state_dict(experts, hf.state_dict(), **d["layout"])  # torch tensors straight in (DLPack)
-    for backend in SPEC.backend_names("jax"):
+    for backend in cpu_backends("jax"):
         experts.set_backend(backend)
         out = experts(jnp.asarray(x.numpy()), jnp.asarray(idx.numpy().astype(np.int32)), jnp.asarray(w.numpy()))
         assert relative_l2(np.asarray(out), expected) <= SPEC.tolerance_for("float32"), backend
