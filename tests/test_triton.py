@@ -66,12 +66,24 @@ def assert_matches_reference(result, case):
     assert max(errors.values()) <= tol, f"{case.name}: {errors} > {tol}"
 
 
+_TORCH_RESULTS = {}  # (case, training) -> torch_run result: the vector test's results, reused by the parity test
+
+
+def torch_vector(case, training=True):
+    key = (case.name, training)
+    if key not in _TORCH_RESULTS:
+        grad_output = np.asarray(jnp.asarray(case.grad_output).astype(JAX_DTYPES[case.dtype]).astype(jnp.float32))
+        _TORCH_RESULTS[key] = torch_run(case.inputs, case.dtype, grad_output if training else None,
+                                        case.activation, training=training)
+    return _TORCH_RESULTS[key]
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_torch_binding_on_every_vector(case):
     """Forward and every gradient (the training plan), and the inference forward (decode kernels for a few slots,
     the sorted path otherwise), against the float64 reference."""
-    assert_matches_reference(torch_run(case.inputs, case.dtype, case.grad_output, case.activation), case)
-    assert_matches_reference(torch_run(case.inputs, case.dtype, activation=case.activation, training=False), case)
+    assert_matches_reference(torch_vector(case), case)
+    assert_matches_reference(torch_vector(case, training=False), case)
 
 
 JAX_CASES = [c for c in CASES if c.dtype == "bfloat16" or c.name.endswith(("uniform-T7", "uniform-T0"))]
@@ -84,12 +96,11 @@ def test_jax_binding_bit_identical_to_torch(case):
     grad_output = np.asarray(jnp.asarray(case.grad_output).astype(JAX_DTYPES[case.dtype]).astype(jnp.float32))
     ours = jax_run(case.inputs, case.dtype, grad_output, case.activation)
     assert_matches_reference(ours, case)
-    theirs = torch_run(case.inputs, case.dtype, grad_output, case.activation)
+    theirs = torch_vector(case)
     for name in ours:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
     inference = jax_run(case.inputs, case.dtype, activation=case.activation, training=False)
-    np.testing.assert_array_equal(inference["out"], torch_run(case.inputs, case.dtype, activation=case.activation,
-                                                               training=False)["out"])
+    np.testing.assert_array_equal(inference["out"], torch_vector(case, training=False)["out"])
 
 
 def _problem(T, k=2, E=4, H=16, I=8, **kw):
