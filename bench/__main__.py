@@ -23,7 +23,8 @@ from .budget import GIB
 from .configs import CONFIGS, get_configs, parse_tokens
 from .crossover import crossover
 from .roofline import MODES
-from .runners import RUNNERS, Timing
+from .peers import PEERS
+from .runners import COMPILE_PREFERENCE, RUNNERS, Timing
 from .sweep import Options, Results, default_memory_budget, run
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,7 +50,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--compile", help="torch.compile settings to run, 'off,on' (default: off,on on cuda; off on "
                                      "cpu, where compiling each point costs seconds). JAX: always jitted")
-    p.add_argument("--compile-mode", default="default", help="torch.compile mode")
+    p.add_argument("--compile-mode", default="best",
+                   help="torch.compile modes for the compiled series: 'best' (per backend, the first of "
+                        f"{', '.join(COMPILE_PREFERENCE)} that the spec's compile table allows), 'all' (every allowed "
+                        "one, a series each) or comma-separated modes")
+    p.add_argument("--no-peers", action="store_true",
+                   help="leave out the peer series (transformers' experts functions, tokamax ragged_dot)")
     p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (a <device-tag> folder is made in it)")
@@ -88,7 +94,7 @@ def options(args: argparse.Namespace) -> Options:
         raise SystemExit(f"--dtype: expected one of {list(load_spec().dtypes)} or {list(DTYPE_ALIASES)}, "
                          f"got {args.dtype!r}")
     compile_text = args.compile or ("off,on" if device.type == "cuda" else "off")
-    known_backends = sorted(set(load_spec().backends) | set(ExpertsInterface))
+    known_backends = sorted(set(load_spec().backends) | set(ExpertsInterface) | set(PEERS))
     try:
         configs = get_configs(args.config)
         tokens = parse_tokens(args.tokens) if args.tokens else None
@@ -97,6 +103,8 @@ def options(args: argparse.Namespace) -> Options:
     backends = None
     if args.backends:
         backends = _choices(args.backends, known_backends, "--backends")
+    if args.compile_mode not in ("best", "all"):
+        _choices(args.compile_mode, COMPILE_PREFERENCE, "--compile-mode")
     for name, value in (("--sets", args.sets), ("--warmup", args.warmup), ("--min-reps", args.min_reps),
                         ("--max-reps", args.max_reps)):
         if value < 1:
@@ -110,7 +118,7 @@ def options(args: argparse.Namespace) -> Options:
                       min_time=args.min_time),
         n_sets=args.sets, seed=args.seed,
         memory_budget=args.mem_budget_gib * GIB if args.mem_budget_gib else default_memory_budget(device),
-        max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast,
+        max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast, peers=not args.no_peers,
     )
 
 
@@ -163,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run(opts, checkpoint=lambda r: write(r, complete=False))
     crossovers = write(results, complete=True)
     print(report.table(results.records))
+    versus = report.versus_table(results.records)
+    if versus:
+        print()
+        print(versus)
     for name, base in bases.items():
         records = [r for r in results.records if r["config"] == name]
         written = [base.with_suffix(".json"), base.with_suffix(".csv")]

@@ -1,8 +1,9 @@
 """The torch and JAX runners behind one interface; ``RUNNERS`` maps a framework name to its runner class.
 
 A runner converts the shared torch inputs (``inputs.py``) to its arrays, builds the call of one point and times
-it. torch: ``compiled`` means torch.compile (fullgraph backends only; see ``TorchRunner.variants``). JAX: every
-backend runs jitted, except those the spec marks ``jit = false`` (run un-jitted); ``--compile`` does not apply.
+it. A series' variant says how it runs: torch, uncompiled or torch.compile in one mode (fullgraph backends only;
+see ``TorchRunner.variants``); JAX, jitted, except backends the spec marks ``jit = false`` (run un-jitted;
+``--compile`` does not apply). Peer series (``peers.py``) run next to our backends under the same rules.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from moe_torch import ExpertsInterface
 
 from .budget import GIB
 from .inputs import InputSet, Weights
+from .peers import PEERS, peers_of, tokamax_weights
 
 SPEC = load_spec()
 
@@ -47,6 +49,16 @@ class Measurement:
         return statistics.median(self.ms)
 
 
+Variant = str | None
+"""How a series runs: torch, None (uncompiled) or a torch.compile mode; JAX, "jit" or None (un-jitted)."""
+
+JIT = "jit"
+# torch.compile modes from the most to the least a user gets out of the compiler; "best" is the first of these
+# that the spec's compile table allows for the backend (for a peer, its counterpart). cudagraph modes only act on
+# CUDA; on CPU they compile like their cudagraph-free counterparts.
+COMPILE_PREFERENCE = ("max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead", "default")
+
+
 class Runner(ABC):
     framework: ClassVar[str]
 
@@ -55,16 +67,16 @@ class Runner(ABC):
 
     @abstractmethod
     def availability(self) -> dict[str, str | None]:
-        """Every backend of the framework -> None if it runs on the device, else why not."""
+        """Every backend of the framework and every peer series -> None if it runs on the device, else why not."""
 
     @abstractmethod
     def variants(self, backend: str, dtype: str, compile_flags: Collection[bool],
-                 compile_mode: str) -> dict[bool, str | None]:
-        """compiled flag -> None to run it, or the reason it is skipped."""
+                 compile_mode: str) -> dict[Variant, str | None]:
+        """variant -> None to run it, or the reason it is skipped."""
 
     @staticmethod
     @abstractmethod
-    def label(compiled: bool) -> str:
+    def label(variant: Variant) -> str:
         """The variant suffix in labels ("" for the framework's plain way of running)."""
 
     @abstractmethod
@@ -72,7 +84,7 @@ class Runner(ABC):
         """Take this point's inputs (weights stay the same across the token counts of a config)."""
 
     @abstractmethod
-    def build(self, backend: str, mode: str, compiled: bool, compile_mode: str) -> Callable[[int], Any]:
+    def build(self, backend: str, mode: str, variant: Variant) -> Callable[[int], Any]:
         """The call on input set i; it returns what ``finish`` waits on and ``forward_output`` reads."""
 
     @abstractmethod
@@ -90,7 +102,7 @@ class Runner(ABC):
     def release(self) -> None:
         """Drop the loaded inputs."""
 
-    def recompiles_per_routing(self, compiled: bool) -> bool:
+    def recompiles_per_routing(self, variant: Variant) -> bool:
         """Whether this variant compiles again for new expert row counts (its warm-up grows with the hits)."""
         return False
 
@@ -108,14 +120,13 @@ class Runner(ABC):
         """Peak memory of one call (arguments included) since ``start_memory``; None where not measured."""
         return None
 
-    def measure(self, backend: str, mode: str, compiled: bool, compile_mode: str, n_sets: int,
-                timing: Timing) -> Measurement:
+    def measure(self, backend: str, mode: str, variant: Variant, n_sets: int, timing: Timing) -> Measurement:
         """Build, warm up, time. ``run_s`` leaves out what is paid once: the build (JAX compiles there) and,
         when compiled, the first call (torch.compile compiles there)."""
-        call = self.build(backend, mode, compiled, compile_mode)
+        call = self.build(backend, mode, variant)
         built = time.perf_counter()
         self.finish(call(0))
-        setup_end = time.perf_counter() if compiled else built
+        setup_end = time.perf_counter() if variant is not None else built
         for r in range(timing.warmup):
             for i in range(n_sets):
                 if r or i:
@@ -132,11 +143,23 @@ class Runner(ABC):
         return Measurement(samples, self.peak_memory_gib(), output, run_s=time.perf_counter() - setup_end)
 
 
+def requested_modes(compile_mode: str, allowed: Collection[str]) -> list[str]:
+    """The torch.compile modes asked for by ``--compile-mode``: "best" (the first of ``COMPILE_PREFERENCE`` in
+    ``allowed``, or "best" itself when none is), "all" (every allowed mode) or a comma-separated list."""
+    if compile_mode == "best":
+        return [next((m for m in COMPILE_PREFERENCE if m in allowed), "best")]
+    if compile_mode == "all":
+        return [m for m in COMPILE_PREFERENCE if m in allowed] or ["all"]
+    return [m.strip() for m in compile_mode.split(",") if m.strip()]
+
+
 class TorchRunner(Runner):
-    """moe_torch.experts_forward with validate=False. Compiled: torch.compile(fullgraph=True, dynamic=False)
-    after torch._dynamo.reset(), once per point. The eager backend is not compiled: the spec marks it not
-    fullgraph-compatible, and its data-dependent expert loop recompiles per routing until dynamo gives up and
-    runs it uncompiled, so a "compiled" timing would not be one."""
+    """moe_torch.experts_forward with validate=False, and the transformers peers (``peers.py``). Compiled:
+    torch.compile(fullgraph=True, dynamic=False, mode=...) after torch._dynamo.reset(), once per point, in the
+    modes of ``--compile-mode`` that the spec's compile table allows for the backend (a peer follows its
+    counterpart's entry). The eager backend is not compiled: the spec marks it not fullgraph-compatible, and its
+    data-dependent expert loop recompiles per routing until dynamo gives up and runs it uncompiled, so a
+    "compiled" timing would not be one."""
 
     framework = "torch"
 
@@ -146,20 +169,21 @@ class TorchRunner(Runner):
         self._call_bytes = 0
 
     def availability(self) -> dict[str, str | None]:
-        return moe_torch.available_backends(self.device)
+        return moe_torch.available_backends(self.device) | {n: p.unavailable() for n, p in peers_of("torch").items()}
 
     def variants(self, backend, dtype, compile_flags, compile_mode):
-        result: dict[bool, str | None] = {}
+        result: dict[Variant, str | None] = {}
         if False in compile_flags:
-            result[False] = None
+            result[None] = None
         if True in compile_flags:
-            result[True] = self._compile_skip(backend, dtype, compile_mode)
+            support = ExpertsInterface.capability(PEERS[backend].counterpart if backend in PEERS else backend)
+            spec = support.compile if support is not None else None
+            for mode in requested_modes(compile_mode, spec.modes if spec is not None else ()):
+                result[mode] = self._compile_skip(spec, dtype, mode)
         return result
 
     @staticmethod
-    def _compile_skip(backend: str, dtype: str, compile_mode: str) -> str | None:
-        support = ExpertsInterface.capability(backend)
-        spec = support.compile if support is not None else None
+    def _compile_skip(spec, dtype: str, compile_mode: str) -> str | None:
         if spec is None:
             return "not compiled: no torch.compile support declared"
         if not spec.fullgraph:
@@ -171,8 +195,10 @@ class TorchRunner(Runner):
         return None
 
     @staticmethod
-    def label(compiled: bool) -> str:
-        return "compiled" if compiled else ""
+    def label(variant):
+        if variant is None:
+            return ""
+        return "compiled" if variant == "default" else f"compiled-{variant}"
 
     def load(self, weights, sets):
         self.weights = weights
@@ -187,13 +213,20 @@ class TorchRunner(Runner):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def build(self, backend, mode, compiled, compile_mode):
+    def _forward(self, backend: str) -> Callable:
+        if backend in PEERS:
+            E, H, I = self.weights.down.shape
+            return PEERS[backend].make(E, H, I)
+
         def forward(x, index, w, gate_up, down):
             return moe_torch.experts_forward(x, index, w, gate_up, down, implementation=backend, validate=False)
+        return forward
 
-        if compiled:
+    def build(self, backend, mode, variant):
+        forward = self._forward(backend)
+        if variant is not None:
             torch._dynamo.reset()
-            forward = torch.compile(forward, fullgraph=True, mode=compile_mode, dynamic=False)
+            forward = torch.compile(forward, fullgraph=True, mode=variant, dynamic=False)
         return {"fwd": self._forward_call, "fwd+bwd": self._backward_call}[mode](forward)
 
     def _forward_call(self, forward):
@@ -249,9 +282,10 @@ _JAX_PLATFORMS = {"cpu": "cpu", "cuda": "gpu"}
 
 
 class JaxRunner(Runner):
-    """moe_jax.experts_forward on arrays copied from the torch inputs (DLPack). Jitted backends are compiled
-    ahead of time once per point (``jax.jit(f).lower(...).compile()``); their peak memory is XLA's
-    memory analysis (arguments + outputs + temporaries). Un-jitted backends report no peak memory."""
+    """moe_jax.experts_forward, and the tokamax peer (``peers.py``), on arrays copied from the torch inputs
+    (DLPack). Jitted backends are compiled ahead of time once per point (``jax.jit(f).lower(...).compile()``);
+    their peak memory is XLA's memory analysis (arguments + outputs + temporaries). Un-jitted backends report no
+    peak memory."""
 
     framework = "jax"
 
@@ -259,6 +293,7 @@ class JaxRunner(Runner):
         super().__init__(device)
         self._unavailable: str | None = None
         self._memory: float | None = None
+        self._peer_weights = None
         try:
             import jax
             import moe_jax
@@ -277,19 +312,20 @@ class JaxRunner(Runner):
             self._unavailable = f"JAX has no {self.platform} device: {err}"
 
     def availability(self):
+        peers = peers_of("jax")
         if self._unavailable is not None:
-            return {name: self._unavailable for name in SPEC.backend_names("jax")}
-        return dict(self.moe_jax.available_backends(self.platform))
+            return {name: self._unavailable for name in (*SPEC.backend_names("jax"), *peers)}
+        return dict(self.moe_jax.available_backends(self.platform)) | {n: p.unavailable() for n, p in peers.items()}
 
     def variants(self, backend, dtype, compile_flags, compile_mode):
-        declared = SPEC.backends.get(backend)
+        declared = SPEC.backends.get(PEERS[backend].counterpart if backend in PEERS else backend)
         support = declared.frameworks.get("jax") if declared is not None else None
         jit = True if support is None or support.jit is None else bool(support.jit)
-        return {jit: None}
+        return {JIT if jit else None: None}
 
     @staticmethod
-    def label(compiled: bool) -> str:
-        return "" if compiled else "nojit"
+    def label(variant):
+        return "" if variant == JIT else "nojit"
 
     def _array(self, t: torch.Tensor):
         """A JAX copy of ``t``: a zero-copy DLPack view, then copied (PJRT's C API refuses copy=True on GPU)."""
@@ -301,7 +337,10 @@ class JaxRunner(Runner):
     def load(self, weights, sets):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self._peer_weights is not None and self._peer_weights[0] is not weights:
+            self._peer_weights = None
         self.gate_up, self.down = self._array(weights.gate_up), self._array(weights.down)
+        self._weights = weights
         self.sets = [(self._array(s.hidden_states), self._array(s.top_k_index.to(torch.int32)),
                       self._array(s.top_k_weights), self._array(s.grad_output)) for s in sets]
         self.jax.block_until_ready((self.gate_up, self.down, self.sets))
@@ -309,24 +348,36 @@ class JaxRunner(Runner):
     def release(self):
         self.gate_up = self.down = self.sets = None
 
-    def build(self, backend, mode, compiled, compile_mode):
-        experts_forward = self.moe_jax.experts_forward
+    def _weights_for(self, backend: str) -> tuple:
+        if backend not in PEERS:
+            return self.gate_up, self.down
+        if self._peer_weights is None:  # the peer's own layout, made once per config
+            self._peer_weights = (self._weights, tokamax_weights(self.gate_up, self.down))
+        return self._peer_weights[1]
 
-        def forward(x, index, w, gate_up, down):
-            return experts_forward(x, index, w, gate_up, down, implementation=backend, validate=False)
+    def build(self, backend, mode, variant):
+        if backend in PEERS:
+            forward = PEERS[backend].make()
+        else:
+            experts_forward = self.moe_jax.experts_forward
+
+            def forward(x, index, w, gate_up, down):
+                return experts_forward(x, index, w, gate_up, down, implementation=backend, validate=False)
 
         def forward_backward(x, index, w, gate_up, down, g):
             out, vjp = self.jax.vjp(lambda x, w, gate_up, down: forward(x, index, w, gate_up, down),
                                     x, w, gate_up, down)
             return out, vjp(g)
 
+        gate_up, down = self._weights_for(backend)
+
         def args(i):
             x, index, w, g = self.sets[i]
-            return (x, index, w, self.gate_up, self.down) + ((g,) if mode == "fwd+bwd" else ())
+            return (x, index, w, gate_up, down) + ((g,) if mode == "fwd+bwd" else ())
 
         fn = {"fwd": forward, "fwd+bwd": forward_backward}[mode]
         self._memory = None
-        if not compiled:
+        if variant is None:
             return lambda i: fn(*args(i))
         executable = self.jax.jit(fn).lower(*args(0)).compile()
         analysis = executable.memory_analysis()
@@ -345,8 +396,8 @@ class JaxRunner(Runner):
     def is_out_of_memory(self, err):
         return "RESOURCE_EXHAUSTED" in str(err)
 
-    def recompiles_per_routing(self, compiled):
-        return not compiled
+    def recompiles_per_routing(self, variant):
+        return variant is None
 
     def peak_memory_gib(self):
         return self._memory
@@ -355,7 +406,7 @@ class JaxRunner(Runner):
 RUNNERS: dict[str, type[Runner]] = {r.framework: r for r in (TorchRunner, JaxRunner)}
 
 
-def series(framework: str, backend: str, compiled: bool, mode: str | None = None) -> str:
+def series(framework: str, backend: str, variant: Variant, mode: str | None = None) -> str:
     """"framework:backend[:variant][:mode]", the name of one line in the table and the plot."""
-    parts = [framework, backend, RUNNERS[framework].label(compiled), mode or ""]
+    parts = [framework, backend, RUNNERS[framework].label(variant), mode or ""]
     return ":".join(p for p in parts if p)

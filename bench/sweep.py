@@ -23,7 +23,8 @@ from moe_shared import relative_l2
 from . import budget, inputs, roofline
 from .configs import Config
 from .progress import progress
-from .runners import RUNNERS, Runner, Timing, series
+from .peers import PEERS, library_of
+from .runners import RUNNERS, Runner, Timing, Variant, series
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Options:
     max_call_s: float
     max_point_s: float
     fail_fast: bool = False
+    peers: bool = True  # run the peer series whose package is importable
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,11 @@ class Point:
     cfg: Config
     tokens: int
     mode: str
-    compiled: bool
+    variant: Variant  # None: uncompiled (torch) / un-jitted (JAX); else the compile mode, or "jit"
+
+    @property
+    def compiled(self) -> bool:
+        return self.variant is not None
 
 
 @dataclass
@@ -65,9 +71,9 @@ class Results:
     errors: list[dict] = field(default_factory=list)
 
 
-def _where(framework, backend, cfg, tokens, mode, compiled) -> dict:
+def _where(framework, backend, cfg, tokens, mode, variant) -> dict:
     return {"framework": framework, "backend": backend, "config": cfg.name, "tokens": tokens, "mode": mode,
-            "compiled": compiled}
+            "compiled": variant is not None, "compile_mode": variant}
 
 
 def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, results: Results) -> list[Point]:
@@ -76,24 +82,27 @@ def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, resu
     points = []
     for fw, runner in runners.items():
         available = runner.availability()
-        results.unavailable[fw] = {b: r for b, r in available.items() if r is not None}
-        names = [b for b, r in available.items() if r is None and (opts.backends is None or b in opts.backends)]
+        results.unavailable[fw] = {b: r for b, r in available.items()
+                                   if r is not None and (opts.peers or b not in PEERS)}
+        names = [b for b, r in available.items() if r is None and (opts.backends is None or b in opts.backends)
+                 and (opts.peers or b not in PEERS)]
         for backend in names:
-            for compiled, reason in runner.variants(backend, opts.dtype, opts.compile_flags,
-                                                    opts.compile_mode).items():
+            for variant, reason in runner.variants(backend, opts.dtype, opts.compile_flags,
+                                                   opts.compile_mode).items():
                 for cfg in opts.configs:
                     if reason is not None:
-                        results.skipped.append(_where(fw, backend, cfg, None, None, compiled) | {"reason": reason})
+                        results.skipped.append(_where(fw, backend, cfg, None, None, variant) | {"reason": reason})
                         continue
                     for mode in opts.modes:
                         for tokens in opts.tokens or cfg.tokens:
                             shape = budget.Shape(cfg, tokens, mode, itemsize)
-                            est = budget.estimate(fw, backend, device_class, shape, peaks, opts.n_sets)
+                            cost_like = PEERS[backend].counterpart if backend in PEERS else backend
+                            est = budget.estimate(fw, cost_like, device_class, shape, peaks, opts.n_sets)
                             skip = budget.skip_reason(est, opts.memory_budget, opts.max_call_s)
                             if skip is None:
-                                points.append(Point(fw, backend, cfg, tokens, mode, compiled))
+                                points.append(Point(fw, backend, cfg, tokens, mode, variant))
                             else:
-                                results.skipped.append(_where(fw, backend, cfg, tokens, mode, compiled)
+                                results.skipped.append(_where(fw, backend, cfg, tokens, mode, variant)
                                                        | {"reason": skip})
     return points
 
@@ -159,11 +168,11 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
                         continue
                     del sets
                     for p in here:
-                        bar.set_description(f"{cfg.name} {series(fw, p.backend, p.compiled, p.mode)} T={tokens}")
-                        key = (fw, cfg.name, p.backend, p.compiled, p.mode)
-                        reason = slow.reason(key, hits, runner.recompiles_per_routing(p.compiled))
+                        bar.set_description(f"{cfg.name} {series(fw, p.backend, p.variant, p.mode)} T={tokens}")
+                        key = (fw, cfg.name, p.backend, p.variant, p.mode)
+                        reason = slow.reason(key, hits, runner.recompiles_per_routing(p.variant))
                         if reason is not None:
-                            results.skipped.append(_where(fw, p.backend, cfg, tokens, p.mode, p.compiled)
+                            results.skipped.append(_where(fw, p.backend, cfg, tokens, p.mode, p.variant)
                                                    | {"reason": reason})
                         else:
                             run_s = _run_point(p, runner, opts, peaks, hits, itemsize=dtype.itemsize,
@@ -184,18 +193,18 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
 def _fail(points: Sequence[Point], err: Exception, doing: str, results: Results, bar) -> None:
     message = f"{doing}: {type(err).__name__}: {err}"
     for p in points:
-        results.errors.append(_where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.compiled)
+        results.errors.append(_where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.variant)
                               | {"error": message})
-        bar.write(f"ERROR {p.cfg.name} {series(p.framework, p.backend, p.compiled, p.mode)} T={p.tokens}: {message}")
+        bar.write(f"ERROR {p.cfg.name} {series(p.framework, p.backend, p.variant, p.mode)} T={p.tokens}: {message}")
     bar.write(traceback.format_exc(limit=-4))
 
 
 def _run_point(p: Point, runner: Runner, opts: Options, peaks: roofline.Peaks, hits: float, *, itemsize: int,
                reference: np.ndarray, results: Results, bar) -> float | None:
     """Measure one point into ``results``; its ``run_s``, or None if it failed."""
-    where = _where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.compiled)
+    where = _where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.variant)
     try:
-        m = runner.measure(p.backend, p.mode, p.compiled, opts.compile_mode, opts.n_sets, opts.timing)
+        m = runner.measure(p.backend, p.mode, p.variant, opts.n_sets, opts.timing)
     except Exception as err:  # noqa: BLE001  (reported per point; --fail-fast re-raises)
         if opts.fail_fast:
             raise
@@ -211,9 +220,10 @@ def _run_point(p: Point, runner: Runner, opts: Options, peaks: roofline.Peaks, h
     n_bytes = roofline.bytes_moved(p.tokens, cfg.hidden, cfg.intermediate, hits, itemsize, p.mode)
     ms = m.median_ms
     results.records.append({
-        "framework": p.framework, "backend": p.backend, "config": cfg.name, "hidden": cfg.hidden,
+        "framework": p.framework, "backend": p.backend, "library": library_of(p.framework, p.backend),
+        "peer": p.backend in PEERS, "config": cfg.name, "hidden": cfg.hidden,
         "intermediate": cfg.intermediate, "experts": cfg.experts, "top_k": cfg.top_k, "tokens": p.tokens,
-        "dtype": opts.dtype, "mode": p.mode, "compiled": p.compiled, "ms": ms,
+        "dtype": opts.dtype, "mode": p.mode, "compiled": p.compiled, "compile_mode": p.variant, "ms": ms,
         "floor_ms": roofline.floor_ms(n_flops, n_bytes, peaks.tflops, peaks.tbs),
         "tflops": n_flops / (ms * 1e-3) / 1e12, "peak_mem_gib": m.peak_mem_gib,
         "rel_err": relative_l2(m.output, reference),

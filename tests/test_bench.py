@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from bench import budget, crossover, roofline
+import importlib.machinery
+import importlib.util
+import types
+
+import numpy as np
+
+from bench import budget, crossover, peers, report, roofline, runners
 from bench.__main__ import main
 from bench.configs import CONFIGS, get_configs, parse_tokens
 from bench.progress import progress
@@ -18,9 +24,10 @@ from moe_shared import load_spec
 
 SPEC = load_spec()
 RECORD_TYPES = {
-    "framework": str, "backend": str, "config": str, "hidden": int, "intermediate": int, "experts": int,
-    "top_k": int, "tokens": int, "dtype": str, "mode": str, "compiled": bool, "ms": float, "floor_ms": float,
-    "tflops": float, "peak_mem_gib": (float, type(None)), "rel_err": float,
+    "framework": str, "backend": str, "library": str, "peer": bool, "config": str, "hidden": int,
+    "intermediate": int, "experts": int, "top_k": int, "tokens": int, "dtype": str, "mode": str, "compiled": bool,
+    "compile_mode": (str, type(None)), "ms": float, "floor_ms": float, "tflops": float,
+    "peak_mem_gib": (float, type(None)), "rel_err": float,
 }
 META_TYPES = {
     "device": str, "torch": str, "jax": (str, type(None)), "triton": (str, type(None)),
@@ -58,7 +65,7 @@ def test_smoke_json_schema(smoke):
     frameworks = {r["framework"] for r in records}
     assert "torch" in frameworks
     for fw, reasons in meta["unavailable"].items():
-        usable = set(SPEC.backend_names(fw)) - set(reasons)
+        usable = (set(SPEC.backend_names(fw)) | set(peers.peers_of(fw))) - set(reasons)
         assert {r["backend"] for r in records if r["framework"] == fw} == usable
     for r in records:
         assert set(r) == set(RECORD_KEYS)
@@ -68,6 +75,28 @@ def test_smoke_json_schema(smoke):
         assert r["mode"] in roofline.MODES
         assert r["ms"] > 0 and r["floor_ms"] > 0 and r["tflops"] > 0
         assert r["rel_err"] <= SPEC.tolerance_for("bfloat16")
+        assert r["peer"] == (r["backend"] in peers.PEERS)
+        assert r["library"] == (peers.PEERS[r["backend"]].library if r["peer"] else f"moe_{r['framework']}")
+        jitted = r["framework"] == "jax" and r["backend"] != "eager"
+        assert r["compile_mode"] == (runners.JIT if jitted else None) and r["compiled"] == jitted
+
+
+def test_smoke_has_the_transformers_peers_on_the_same_inputs(smoke):
+    records = json.loads(_one(smoke, ".json").read_text())["records"]
+    theirs = {(r["backend"], r["mode"], r["tokens"]) for r in records if r["library"] == "transformers"}
+    assert theirs == {(f"transformers:{n}", m, t) for n in ("eager", "batched_mm", "grouped_mm")
+                      for m in roofline.MODES for t in (1, 8)}
+    table = report.versus(records)
+    assert {(p["theirs"], p["ours"]) for p in table} == {(f"torch:transformers:{n}", f"torch:{n}")
+                                                         for n in ("eager", "batched_mm", "grouped_mm")}
+    assert all(p["ratio"] == pytest.approx(p["ours_ms"] / p["theirs_ms"]) for p in table)
+
+
+def test_smoke_tokamax_absent_is_reported_not_run(smoke):
+    if importlib.util.find_spec("tokamax") is not None:
+        pytest.skip("tokamax is installed here: the absence path cannot be observed")
+    meta = json.loads(_one(smoke, ".json").read_text())["meta"]
+    assert "'tokamax' is not installed" in meta["unavailable"]["jax"]["tokamax:ragged_dot"]
 
 
 def test_smoke_csv_matches_json(smoke):
@@ -90,6 +119,120 @@ def test_crossover_cli_prints_spec_lines(smoke, capsys):
     out = capsys.readouterr().out
     assert "[decode.max_slots]" in out
     assert any(line.startswith("torch = { cpu = ") for line in out.splitlines())
+
+
+# --- peers and compile modes ------------------------------------------------------------------------------------
+
+def _small_problem(seed=0, T=12, H=16, I=8, E=5, k=2):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    return x, index, w, torch.randn(E, 2 * I, H, generator=g) / 4, torch.randn(E, H, I, generator=g) / 3
+
+
+@pytest.mark.parametrize("name", ["eager", "batched_mm", "grouped_mm"])
+def test_transformers_peer_runs_transformers_on_our_weights(name, monkeypatch):
+    import torch
+    import moe_torch
+    from transformers.integrations import moe as hf_moe
+
+    x, index, w, gate_up, down = _small_problem()
+    calls = []
+    if name != "eager":  # the peer must call transformers' registered function, not ours
+        original = hf_moe.ALL_EXPERTS_FUNCTIONS[name]
+        monkeypatch.setitem(hf_moe.ALL_EXPERTS_FUNCTIONS._global_mapping, name,
+                            lambda *a: calls.append(name) or original(*a))
+    forward = peers.PEERS[f"transformers:{name}"].make(5, 16, 8)
+    out = forward(x, index, w, gate_up, down)
+    expected = moe_torch.experts_forward(x, index, w, gate_up, down, implementation="eager")
+    assert calls == ([] if name == "eager" else [name])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out2 = forward(x, index, w, gate_up * 2, down)  # the weights of the call, not ones kept from the first
+    torch.testing.assert_close(out2, moe_torch.experts_forward(x, index, w, gate_up * 2, down,
+                                                               implementation="eager"), rtol=1e-5, atol=1e-5)
+
+
+def test_tokamax_peer_with_a_stand_in_package(monkeypatch):
+    """The tokamax series' own code (sort, two grouped matmuls, combine) on a stand-in ``tokamax.ragged_dot``
+    with tokamax's signature (rhs [G, K, N]), here jax.lax.ragged_dot."""
+    import jax
+    import jax.numpy as jnp
+    import moe_torch
+
+    fake = types.ModuleType("tokamax")
+    fake.__spec__ = importlib.machinery.ModuleSpec("tokamax", None)
+    fake.ragged_dot = lambda lhs, rhs, group_sizes, precision=None, preferred_element_type=None: \
+        jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=preferred_element_type)
+    monkeypatch.setitem(sys.modules, "tokamax", fake)
+    peer = peers.PEERS["tokamax:ragged_dot"]
+    assert peer.unavailable() is None
+    x, index, w, gate_up, down = _small_problem(1)
+    kn = peers.tokamax_weights(jnp.asarray(gate_up.numpy()), jnp.asarray(down.numpy()))
+    out = jax.jit(peer.make())(jnp.asarray(x.numpy()), jnp.asarray(index.numpy(), jnp.int32),
+                               jnp.asarray(w.numpy()), *kn)
+    expected = moe_torch.experts_forward(x, index, w, gate_up, down, implementation="eager")
+    np.testing.assert_allclose(np.asarray(out), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_peer_availability_names_the_missing_package(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "transformers" else real(n, *a))
+    reasons = runners.TorchRunner(__import__("torch").device("cpu")).availability()
+    for name in ("eager", "batched_mm", "grouped_mm"):
+        assert reasons[f"transformers:{name}"] == (f"peer transformers:{name}: the package 'transformers' is "
+                                                   f"not installed")
+    assert reasons["grouped_mm"] is None
+
+
+def test_compile_modes_follow_the_spec_table():
+    torch_runner = runners.TorchRunner(__import__("torch").device("cpu"))
+    grouped = SPEC.backends["grouped_mm"].support("torch").compile.modes
+    best = next(m for m in runners.COMPILE_PREFERENCE if m in grouped)
+    assert torch_runner.variants("grouped_mm", "bfloat16", [False, True], "best") == {None: None, best: None}
+    # a peer is compiled under its counterpart's entry
+    assert torch_runner.variants("transformers:grouped_mm", "bfloat16", [True], "best") == {best: None}
+    assert torch_runner.variants("batched_mm", "bfloat16", [True], "best") == {"max-autotune": None}
+    every = torch_runner.variants("grouped_mm", "bfloat16", [True], "all")
+    assert list(every) == [m for m in runners.COMPILE_PREFERENCE if m in grouped] and set(every.values()) == {None}
+    undeclared = [m for m in runners.COMPILE_PREFERENCE if m not in grouped]
+    if undeclared:
+        reason = torch_runner.variants("grouped_mm", "bfloat16", [True], undeclared[0])[undeclared[0]]
+        assert reason.startswith("not compiled: compile mode")
+    assert torch_runner.variants("eager", "bfloat16", [True], "default")["default"].startswith(
+        "not compiled: not fullgraph-compatible")
+    assert [runners.TorchRunner.label(v) for v in (None, "default", "reduce-overhead")] == [
+        "", "compiled", "compiled-reduce-overhead"]
+    jax_runner = runners.JaxRunner(__import__("torch").device("cpu"))
+    assert jax_runner.variants("eager", "bfloat16", [True], "best") == {None: None}
+    assert jax_runner.variants("tokamax:ragged_dot", "bfloat16", [False], "best") == {runners.JIT: None}
+
+
+def test_compile_mode_flag_is_checked(tmp_path):
+    with pytest.raises(SystemExit, match="--compile-mode"):
+        main(["--compile-mode", "fastest", "--out", str(tmp_path)])
+
+
+def test_versus_pairs_each_peer_with_our_same_named_series():
+    def rec(backend, ms, variant=None, peer=False, tokens=1, framework="torch"):
+        return {"framework": framework, "backend": backend, "peer": peer, "config": "c", "mode": "fwd",
+                "tokens": tokens, "compiled": variant is not None, "compile_mode": variant, "ms": ms}
+    records = [rec("grouped_mm", 1.0), rec("transformers:grouped_mm", 4.0, peer=True),
+               rec("grouped_mm", 2.0, "default"), rec("transformers:grouped_mm", 1.0, "default", peer=True),
+               rec("transformers:batched_mm", 1.0, peer=True), rec("batched_mm", 3.0, tokens=2)]
+    pairs = report.versus(records)
+    assert [(p["ours"], p["theirs"], p["ratio"]) for p in pairs] == [
+        ("torch:grouped_mm", "torch:transformers:grouped_mm", 0.25),
+        ("torch:grouped_mm:compiled", "torch:transformers:grouped_mm:compiled", 2.0)]
+    assert "0.25" in report.versus_table(records) and report.versus_table(records[:1]) == ""
+
+
+def test_records_without_compile_mode_read_as_before():
+    assert report.variant_of({"framework": "torch", "compiled": True}) == "default"
+    assert report.variant_of({"framework": "jax", "compiled": True}) == runners.JIT
+    assert report.variant_of({"framework": "jax", "compiled": False}) is None
 
 
 # --- arithmetic ------------------------------------------------------------------------------------------------
