@@ -14,7 +14,6 @@ processes, which also compile in parallel). ``graphs``: CUDA-graph capture and r
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -407,6 +406,97 @@ def tune(results, configs_out: Path):
                     "detail": {"entries": len(best), "decode_max_slots": decode, "timings": timings}})
 
 
+# --- per-step timings and variants ------------------------------------------------------------------------------
+
+STEP_POINTS = (("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 4096), ("deepseek-v3", 4096))
+STEP_VARIANTS = [C(128, 128, 64, 8, 3, 1), C(128, 128, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 8),
+                 C(128, 128, 64, 8, 5, 4), C(128, 256, 64, 8, 3, 8), C(128, 64, 64, 4, 4, 8),
+                 C(128, 128, 32, 8, 5, 8), C(64, 128, 64, 4, 4, 8), C(64, 256, 64, 8, 3, 8), C(64, 128, 128, 4, 3, 8)]
+
+
+def _labelled_steps(problem, which):
+    """(label, step) of a plan's GEMM steps: the tile-config kernel names, in plan order."""
+    if which == "bwd":
+        plan = plans.backward_plan(problem)
+        labels = iter(("dgrad_down", "dgrad_up", "wgrad_down", "wgrad_gate_up"))
+    else:
+        plan = _forward_with_decode_limit(problem, 0)
+        labels = iter(("gate_up", "down"))
+    return plan, [(next(labels) if s.kernel in ("grouped_gemm_kernel", "grouped_wgrad_kernel") else s.kernel, s)
+                  for s in plan.steps]
+
+
+def _step_flops(step, S):
+    c = step.constants
+    if step.kernel == "grouped_gemm_kernel":
+        return 2 * S * c["N"] * c["K"] * (2 if c["EPILOGUE"] == plans.GATED_FORWARD else 1)
+    if step.kernel == "grouped_wgrad_kernel":
+        return 2 * S * c["N"] * c["K"]
+    return 0
+
+
+def step_timings(results):
+    """Each step of the inference forward and of the backward timed alone (do_bench median), then the GEMM steps
+    under STEP_VARIANTS: where the time goes, and which tiles to take."""
+    import torch
+    from triton.testing import do_bench
+    from moe_torch.backends import triton as backend
+    kernels = backend._kernels()
+
+    def launcher(step, env):
+        args = [env[a] if isinstance(a, str) else a for a in step.inputs]
+        outs = [env[b.name] if b.name in env else env.setdefault(b.name, torch.empty(
+            b.shape, dtype=backend._dtypes(env)[b.dtype] if b.dtype in backend._dtypes(env) else torch.float32,
+            device="cuda")) for b in step.outputs]
+        fn = getattr(kernels, step.kernel)
+        return lambda: fn[(step.grid,)](*args, *outs, num_warps=step.num_warps, num_stages=step.num_stages,
+                                        **step.constants)
+
+    for shape, T in STEP_POINTS:
+        (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+        problem = backend.problem_of(x, idx, gate_up, down, None, None, "silu")
+        base = backend._inputs(x, idx, w, gate_up, down, None, None)
+        training = backend.run_plan(plans.forward_plan(problem, training=True), dict(base))
+        routed = int(training["starts"][-1])
+        envs = {"fwd": backend.run_plan(_forward_with_decode_limit(problem, 0), dict(base)),
+                "bwd": backend.run_plan(plans.backward_plan(problem), dict(training) | {"dout": dout})}
+        for which in ("fwd", "bwd"):
+            def measure(label, step, env=envs[which]):
+                ms = do_bench(launcher(step, env), warmup=5, rep=40)
+                flops = _step_flops(step, routed)
+                c = step.constants
+                return {"shape": shape, "T": T, "plan": which, "step": label, "ms": round(ms, 4),
+                        "tflops": round(flops / ms / 1e9, 1) if flops else None,
+                        "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
+                                   step.num_stages, c.get("GROUP_M")]}
+
+            plan, labelled = _labelled_steps(problem, which)
+            record(results, "steps", f"{shape} T={T} {which}",
+                   lambda lab=labelled, m=measure: [m(label, step) for label, step in lab])
+            for label, step in labelled:
+                if step.kernel != "grouped_gemm_kernel":
+                    continue
+                c = step.constants
+
+                def variants(label=label, c=c, m=measure):
+                    out = []
+                    for v in STEP_VARIANTS:
+                        plans.OVERRIDES.clear()
+                        plans.OVERRIDES[label, c["N"], c["K"], c["E"]] = v
+                        plans.clear_caches()
+                        step = dict(_labelled_steps(problem, which)[1])[label]
+                        try:
+                            out.append(m(label, step))
+                        except Exception as err:
+                            out.append({"config": list(v.__dict__.values()), "error": str(err)[:200]})
+                    plans.OVERRIDES.clear()
+                    plans.clear_caches()
+                    return out
+
+                record(results, "step-variants", f"{shape} T={T} {label}", variants)
+        torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
@@ -432,6 +522,8 @@ def main():
         results += parallel("vectors", args.workers, args.out)
     if "graphs" in parts:
         graph_checks(results)
+    if "steps" in parts:
+        step_timings(results)
     if "tune" in parts:
         t0 = time.perf_counter()
         results += parallel("tune", args.workers, args.out)
@@ -452,6 +544,10 @@ def main():
             print("FAIL", r["kind"], r["name"], r["detail"][:400])
         elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
+        elif r["kind"] in ("steps", "step-variants"):
+            print(r["name"])
+            for t in r["detail"]:
+                print("   ", t.get("step"), t.get("ms"), t.get("tflops"), t.get("config"), t.get("error", ""))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,7 @@ def grouped_gemm_kernel(
     A_BY_TOKEN: tl.constexpr, SCALE_A: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
@@ -136,13 +137,20 @@ def grouped_gemm_kernel(
     GATED_FORWARD computes the gate columns n and the up columns GATE_OFFSET + n, adds the bias, stores
     act(g) * u (and g, u to ``aux`` with STORE_PREACT); GATED_BACKWARD takes C as d(act(g) * u) and stores
     [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
-    atomically added to the token's row scaled by the routing weight. Grid: one program per (row block, N tile)
-    over a static upper bound of row blocks; blocks past the last expert's return at once. DOT_PRECISION is
-    "ieee" for float32 operands (no TF32).
+    atomically added to the token's row scaled by the routing weight. ``EVEN_K`` (K a multiple of BK) drops the
+    K masks. Grid: one program per (row block, N tile) over ``ROW_BLOCKS``, a static upper bound of row blocks
+    (blocks past the last expert's return at once), ``GROUP_M`` row blocks at a time over every N tile so that
+    they share each weight tile in L2. DOT_PRECISION is "ieee" for float32 operands (no TF32).
     """
     pid = tl.program_id(0)
     num_n: tl.constexpr = (N + BN - 1) // BN
-    e, row0, count, start = _locate_block(counts_ptr, starts_ptr, pid // num_n, E, EB, BM)
+    # GROUP_M consecutive row blocks take each N tile in turn, so a weight tile is read from L2 by all of them
+    per_group: tl.constexpr = GROUP_M * num_n
+    first_block = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(ROW_BLOCKS - first_block, GROUP_M)
+    block = first_block + (pid % per_group) % group_size
+    n_tile = (pid % per_group) // group_size
+    e, row0, count, start = _locate_block(counts_ptr, starts_ptr, block, E, EB, BM)
     if e >= E:
         return
     rows = row0 + tl.arange(0, BM)
@@ -154,7 +162,7 @@ def grouped_gemm_kernel(
     else:
         a_rows = srow.to(tl.int64)
     offs_k = tl.arange(0, BK)
-    offs_n = (pid % num_n) * BN + tl.arange(0, BN)
+    offs_n = n_tile * BN + tl.arange(0, BN)
     n_live = offs_n < N
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
@@ -163,15 +171,21 @@ def grouped_gemm_kernel(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        k_live = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=live[:, None] & k_live[None, :], other=0.0)
+        if EVEN_K:
+            a_mask = live[:, None]
+            b_mask = n_live[None, :]
+        else:
+            k_live = offs_k < K - k0
+            a_mask = live[:, None] & k_live[None, :]
+            b_mask = k_live[:, None] & n_live[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         if SCALE_A:
             a = a.to(tl.float32) * scale[:, None]
         a = a.to(b_ptr.dtype.element_ty)
-        b = tl.load(b_ptrs, mask=k_live[:, None] & n_live[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if EPILOGUE == GATED_FORWARD:
-            b_up = tl.load(b_ptrs + GATE_OFFSET * stride_bn, mask=k_live[:, None] & n_live[None, :], other=0.0)
+            b_up = tl.load(b_ptrs + GATE_OFFSET * stride_bn, mask=b_mask, other=0.0)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BK
         b_ptrs += BK * stride_bk

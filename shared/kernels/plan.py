@@ -88,6 +88,7 @@ class TileConfig:
     BK: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    GROUP_M: int = 1  # row blocks that take the N tiles together (row-block kernels)
 
 
 def _pow2(n: int) -> int:
@@ -219,7 +220,8 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         A_BY_TOKEN=a_by_token, SCALE_A=scale_a, HAS_BIAS=has_bias, EPILOGUE=epilogue,
         ACTIVATION=ACTIVATION_CODES[problem.activation], STORE_PREACT=preact_out is not None,
         C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E),
-        DOT_PRECISION=_dot_precision(problem))
+        DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
+        ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM))
     return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
                 (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
                 (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
