@@ -230,8 +230,8 @@ def graph_checks(results):
 
 C = plans.TileConfig
 ROW_CANDIDATES = {
-    "large": [C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 4), C(128, 64, 64, 4, 4), C(64, 128, 64, 4, 4),
-              C(128, 256, 64, 8, 3), C(128, 128, 32, 4, 4)],
+    "large": [C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 8), C(64, 128, 64, 4, 4, 8),
+              C(128, 256, 64, 8, 3, 8), C(128, 128, 32, 4, 4)],
     "mid": [C(64, 128, 64, 4, 3), C(64, 64, 64, 4, 4), C(32, 128, 64, 4, 4), C(64, 128, 64, 8, 3),
             C(32, 64, 128, 4, 3)],
     "small": [C(16, 64, 128, 4, 3), C(16, 128, 64, 4, 4), C(16, 64, 64, 4, 4), C(16, 32, 128, 4, 4),
@@ -410,8 +410,11 @@ def tune(results, configs_out: Path):
 
 STEP_POINTS = (("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 4096), ("deepseek-v3", 4096))
 STEP_VARIANTS = [C(128, 128, 64, 8, 3, 1), C(128, 128, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 8),
-                 C(128, 128, 64, 8, 5, 4), C(128, 256, 64, 8, 3, 8), C(128, 64, 64, 4, 4, 8),
-                 C(128, 128, 32, 8, 5, 8), C(64, 128, 64, 4, 4, 8), C(64, 256, 64, 8, 3, 8), C(64, 128, 128, 4, 3, 8)]
+                 C(128, 256, 64, 8, 3, 8), C(128, 64, 64, 4, 4, 8), C(128, 128, 32, 8, 5, 8), C(64, 128, 64, 4, 4, 8)]
+WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 64, 4, 3), C(64, 128, 128, 8, 4),
+                       C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4)]
+VARIANT_TOKENS = 4096
+VARIANTS = {"grouped_gemm_kernel": ("gemm", STEP_VARIANTS), "grouped_wgrad_kernel": ("wgrad", WGRAD_STEP_VARIANTS)}
 
 
 def _labelled_steps(problem, which):
@@ -435,7 +438,7 @@ def _step_flops(step, S):
     return 0
 
 
-def step_timings(results):
+def step_timings(results, variant_kinds=("gemm", "wgrad")):
     """Each step of the inference forward and of the backward timed alone (do_bench median), then the GEMM steps
     under STEP_VARIANTS: where the time goes, and which tiles to take."""
     import torch
@@ -474,15 +477,17 @@ def step_timings(results):
             record(results, "steps", f"{shape} T={T} {which}",
                    lambda lab=labelled, m=measure: [m(label, step) for label, step in lab])
             for label, step in labelled:
-                if step.kernel != "grouped_gemm_kernel":
+                kind, candidates = VARIANTS.get(step.kernel, (None, ()))
+                if kind not in variant_kinds or T != VARIANT_TOKENS:
                     continue
                 c = step.constants
+                key = "wgrad" if kind == "wgrad" else label
 
-                def variants(label=label, c=c, m=measure):
+                def variants(label=label, key=key, c=c, m=measure, candidates=candidates):
                     out = []
-                    for v in STEP_VARIANTS:
+                    for v in candidates:
                         plans.OVERRIDES.clear()
-                        plans.OVERRIDES[label, c["N"], c["K"], c["E"]] = v
+                        plans.OVERRIDES[key, c["N"], c["K"], c["E"]] = v
                         plans.clear_caches()
                         step = dict(_labelled_steps(problem, which)[1])[label]
                         try:
@@ -503,6 +508,7 @@ def main():
     p.add_argument("--parts", default="vectors,graphs")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--configs-out", type=Path, default=Path("/tmp/moe-configs"))
+    p.add_argument("--variant-kinds", default="gemm,wgrad", help="steps part: which GEMM kinds get variants")
     p.add_argument("--worker")
     p.add_argument("--index", type=int)
     p.add_argument("--count", type=int)
@@ -523,7 +529,7 @@ def main():
     if "graphs" in parts:
         graph_checks(results)
     if "steps" in parts:
-        step_timings(results)
+        step_timings(results, tuple(args.variant_kinds.split(",")))
     if "tune" in parts:
         t0 = time.perf_counter()
         results += parallel("tune", args.workers, args.out)

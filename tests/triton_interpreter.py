@@ -37,6 +37,17 @@ def rounding_cast(self, src, dst_type):
 
 _Builder.create_dot = exact_bfloat16_dot
 _Builder.cast_impl = rounding_cast
+_original_patch_tensor = interpreter._patch_lang_tensor
+
+
+def _patch_tensor_with_scalar_index(tensor, scope):
+    """A loaded scalar is a one-element array in the interpreter, which numpy 2 will not turn into an int: let
+    run-time loop bounds (``range(0, count, BR)``) take it, as compiled kernels do."""
+    _original_patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+
+interpreter._patch_lang_tensor = _patch_tensor_with_scalar_index
 
 
 def jax_interpreter_launch(kernel, step, args, out_shapes):

@@ -91,7 +91,7 @@ def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, determinist
     return x.new_empty(x.shape[0], down.shape[1])
 
 
-_RESIDUALS = ("order", "counts", "starts", "preact", "y")
+_RESIDUALS = plans.TRAINING_RESIDUALS
 
 
 @torch.library.custom_op("moe_torch::triton_experts_train", mutates_args=())

@@ -230,15 +230,14 @@ def grouped_wgrad_kernel(
     dw_ptr, dbias_ptr,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
     stride_lm: tl.constexpr, stride_rm: tl.constexpr,
-    L_BY_TOKEN: tl.constexpr, SCALE_L: tl.constexpr, R_BY_TOKEN: tl.constexpr, R_GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    L_BY_TOKEN: tl.constexpr, SCALE_L: tl.constexpr, R_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dw[e] ([N, K]) = sum over expert e's rows of L[row]^T R[row], and dbias[e] = the sum of L's rows.
 
     L rows: sorted, or (``L_BY_TOKEN``) the token's row scaled (``SCALE_L``) by the slot's routing weight. R rows:
-    sorted or the token's row; ``R_GATED`` recomputes act(g) * u from the pre-activations [g | u] (width 2K).
-    Grid: E * N tiles * K tiles; an idle expert's tiles are written as zeros."""
+    sorted or (``R_BY_TOKEN``) the token's row. Grid: E * N tiles * K tiles; an idle expert's tiles are written as
+    zeros. The loop over the expert's rows has run-time bounds (a ``for`` loop, so the loads are pipelined)."""
     pid = tl.program_id(0)
     num_n: tl.constexpr = (N + BN - 1) // BN
     num_k: tl.constexpr = (K + BK - 1) // BK
@@ -253,8 +252,7 @@ def grouped_wgrad_kernel(
     k_live = offs_k < K
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     bias_acc = tl.zeros([BN], dtype=tl.float32)
-    r0 = 0
-    while r0 < count:
+    for r0 in range(0, count, BR):
         rows = r0 + tl.arange(0, BR)
         live = rows < count
         srow = start + rows
@@ -272,18 +270,11 @@ def grouped_wgrad_kernel(
             r_rows = (slot // TOP_K).to(tl.int64)
         else:
             r_rows = srow.to(tl.int64)
-        r_ptrs = r_ptr + r_rows[:, None] * stride_rm + offs_k[None, :]
-        r_mask = live[:, None] & k_live[None, :]
-        if R_GATED:
-            g = tl.load(r_ptrs, mask=r_mask, other=0.0).to(tl.float32)
-            up = tl.load(r_ptrs + K, mask=r_mask, other=0.0).to(tl.float32)
-            r = (_activate(g, ACTIVATION) * up).to(dw_ptr.dtype.element_ty)
-        else:
-            r = tl.load(r_ptrs, mask=r_mask, other=0.0).to(dw_ptr.dtype.element_ty)
+        r = tl.load(r_ptr + r_rows[:, None] * stride_rm + offs_k[None, :], mask=live[:, None] & k_live[None, :],
+                    other=0.0).to(dw_ptr.dtype.element_ty)
         acc = tl.dot(lt, r, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             bias_acc += tl.sum(lt.to(tl.float32), 1)
-        r0 += BR
     dw_ptrs = dw_ptr + e.to(tl.int64) * (N * K) + offs_n[:, None] * K + offs_k[None, :]
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_live[:, None] & k_live[None, :])
     if HAS_BIAS:

@@ -118,7 +118,8 @@ def default_config(kernel: str, N: int, K: int, rows_per_expert: float) -> TileC
     Row-block kernels (``gate_up``, ``down``, ``dgrad_down``, ``dgrad_up``): BM is the mean rows per expert rounded
     up to a power of two within [16, 128], so a decode batch pads each expert's block to 16 rows and each hit
     expert's weights are read once per N tile; BN 64 (two accumulators for gate_up) or 128 from BM 64 on, BK 64,
-    8 warps from BM 128 on. ``wgrad``: 128 x 128 output tiles over 64-row steps (BM is the row step). ``decode``:
+    8 warps from BM 128 on, GROUP_M 8 from BM 64 on (row blocks sharing weight tiles in L2: faster or equal for 10
+    of 12 GEMM steps at T=4096 on the H200). ``wgrad``: 128 x 128 output tiles over 64-row steps (BM is the row step). ``decode``:
     GEMV tiles of 32 outputs x 256 inputs.
     """
     if kernel == "decode":
@@ -129,7 +130,7 @@ def default_config(kernel: str, N: int, K: int, rows_per_expert: float) -> TileC
     BM = min(128, max(16, _pow2(math.ceil(rows_per_expert))))
     BN = 64 if kernel == "gate_up" or BM < 64 else 128
     return TileConfig(BM=BM, BN=min(BN, max(16, _pow2(N))), BK=min(64, max(16, _pow2(K))),
-                      num_warps=8 if BM >= 128 else 4, num_stages=3 if BM < 128 else 4)
+                      num_warps=8 if BM >= 128 else 4, num_stages=3 if BM < 128 else 4, GROUP_M=8 if BM >= 64 else 1)
 
 
 OVERRIDES: dict[tuple[str, int, int, int], TileConfig] = {}
@@ -229,13 +230,11 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
 
 
 def _wgrad(problem: Problem, *, l: str, r: str, N: int, K: int, out: Buffer, bias_out: Buffer | None,
-           stride_lm: int, stride_rm: int, l_by_token=False, scale_l=False, r_by_token=False,
-           r_gated=False) -> Step:
+           stride_lm: int, stride_rm: int, l_by_token=False, scale_l=False, r_by_token=False) -> Step:
     E = problem.E
     cfg = tile_config(problem.device, "wgrad", N, K, E, problem.S)
     constants = dict(E=E, N=N, K=K, TOP_K=problem.k, stride_lm=stride_lm, stride_rm=stride_rm,
-                     L_BY_TOKEN=l_by_token, SCALE_L=scale_l, R_BY_TOKEN=r_by_token, R_GATED=r_gated,
-                     HAS_BIAS=bias_out is not None, ACTIVATION=ACTIVATION_CODES[problem.activation],
+                     L_BY_TOKEN=l_by_token, SCALE_L=scale_l, R_BY_TOKEN=r_by_token, HAS_BIAS=bias_out is not None,
                      BN=cfg.BN, BK=cfg.BK, BR=cfg.BM, DOT_PRECISION=_dot_precision(problem))
     return Step("grouped_wgrad_kernel", E * _cdiv(N, cfg.BN) * _cdiv(K, cfg.BK),
                 (l, r, "counts", "starts", "order", "w"), (out, bias_out or _UNUSED), constants,
@@ -301,8 +300,13 @@ def forward_plan(problem: Problem, *, training: bool = False) -> Plan:
                        out=Buffer("y", (S, H), WEIGHTS), stride_am=I, stride_cm=H, bias=_bias(problem, "down"),
                        c_by_slot=True))
     steps.append(_combine(problem, "y", Buffer("out", (T, H), HIDDEN), weighted=True))
-    return _finish(steps, "out", ("order", "counts", "starts", "preact", "y") if training else ())
+    return _finish(steps, "out", TRAINING_RESIDUALS if training else ())
 
+
+TRAINING_RESIDUALS = ("order", "counts", "starts", "preact", "act", "y")
+"""What the training forward keeps for ``backward_plan``: the routing, the pre-activations [g | u] (for d act), the
+activations the down GEMM read (for its weight gradient) and the per-slot outputs (for the routing-weight
+gradient)."""
 
 GRADIENTS = {"hidden_states": "dx", "top_k_weights": "dw", "gate_up_proj": "d_gate_up", "down_proj": "d_down",
              "gate_up_bias": "d_gate_up_bias", "down_bias": "d_down_bias"}
@@ -327,9 +331,9 @@ def backward_plan(problem: Problem) -> Plan:
         _gemm(problem, "dgrad_up", a="dpreact", b="gate_up", N=H, K=2 * I, b_strides=(g_e, g_n, g_k),
               out=Buffer("dx_slots", (S, H), WEIGHTS), stride_am=2 * I, stride_cm=H, c_by_slot=True),
         _combine(problem, "dx_slots", Buffer("dx", (T, H), HIDDEN), weighted=False),
-        _wgrad(problem, l="dout", r="preact", N=H, K=I, out=Buffer("d_down", (E, H, I), WEIGHTS),
+        _wgrad(problem, l="dout", r="act", N=H, K=I, out=Buffer("d_down", (E, H, I), WEIGHTS),
                bias_out=Buffer("d_down_bias", (E, H), WEIGHTS) if has_down_bias else None,
-               stride_lm=H, stride_rm=2 * I, l_by_token=True, scale_l=True, r_gated=True),
+               stride_lm=H, stride_rm=I, l_by_token=True, scale_l=True),
         _wgrad(problem, l="dpreact", r="x", N=2 * I, K=H, out=Buffer("d_gate_up", (E, 2 * I, H), WEIGHTS),
                bias_out=Buffer("d_gate_up_bias", (E, 2 * I), WEIGHTS) if has_gate_bias else None,
                stride_lm=2 * I, stride_rm=H, r_by_token=True),
