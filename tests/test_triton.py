@@ -346,3 +346,43 @@ def test_atomic_combine_at_inference(framework):
             got = np.asarray(jax.jit(partial(jax_triton_backend.experts_forward, deterministic=False))(
                 **to_jax(arrays, "float32")), np.float64)
     assert relative_l2(got, expected) <= 1e-6
+
+
+def test_launch_cache_reuses_the_compiled_kernel_only_for_the_same_specialization():
+    """The torch binding's launch path (GPU only: the interpreter compiles nothing) with a stand-in for triton's
+    JITFunction: the first launch per step and argument kind goes through it, later ones launch what it returned
+    with the constants appended in the kernel's parameter order; another dtype, alignment or integer goes through
+    it again."""
+    calls = []
+
+    class Compiled:
+        function = object()
+
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("direct", grid, args))
+
+    class Param:
+        def __init__(self, name, default):
+            self.name, self.default = name, default
+
+    class Kernel:
+        arg_names = ["a", "n", "out", "B", "FLAG"]
+        params = [Param("a", None), Param("n", None), Param("out", None), Param("B", None), Param("FLAG", 7)]
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(("jit", grid, args, kwargs))
+                return Compiled()
+            return run
+
+    step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
+    a, out = torch.zeros(8), torch.zeros(4)
+    kernel = Kernel()
+    torch_triton_backend._launch(kernel, step, [a, 5, out])
+    torch_triton_backend._launch(kernel, step, [a, 5, out])
+    torch_triton_backend._launch(kernel, step, [a[1:], 5, out])  # base address no longer a multiple of 16
+    torch_triton_backend._launch(kernel, step, [a, 6, out])
+    torch_triton_backend._launch(kernel, step, [a.double(), 5, out])
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit"]
+    assert calls[0][3] == {"num_warps": 4, "num_stages": 2, "B": 2}
+    assert calls[1][1] == (3, 1, 1) and calls[1][2][3:] == (2, 7)

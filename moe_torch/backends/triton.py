@@ -60,11 +60,38 @@ def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None
         outputs = [(torch.zeros if (i in step.zeroed or not step.grid) else torch.empty)(
             b.shape, dtype=dtypes[b.dtype], device=device) for i, b in enumerate(step.outputs)]
         if step.grid:
-            args = [env[a] if isinstance(a, str) else a for a in step.inputs]
-            getattr(kernels, step.kernel)[(step.grid,)](*args, *outputs, num_warps=step.num_warps,
-                                                        num_stages=step.num_stages, **step.constants)
+            _launch(getattr(kernels, step.kernel), step, [env[a] if isinstance(a, str) else a for a in step.inputs]
+                    + outputs)
         env.update((b.name, t) for b, t in zip(step.outputs, outputs))
     return env
+
+
+_LAUNCHED: dict[int, tuple] = {}
+"""id(step) -> (step, its constant arguments in the kernel's order, {argument key: compiled kernel})."""
+_MAX_LAUNCHED = 4096
+
+
+def _launch(kernel, step: plans.Step, args: list) -> None:
+    """Launch one plan step. The first launch for a step and a kind of arguments goes through triton's
+    ``JITFunction`` (which binds and specializes every argument, compiling if needed); later ones launch the
+    compiled kernel it returned directly. The key holds what triton specializes on: each tensor's dtype and base
+    address modulo 16, each integer's value."""
+    entry = _LAUNCHED.get(id(step))
+    key = tuple((a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args)
+    compiled = entry[2].get(key) if entry is not None and entry[0] is step else None
+    if compiled is None:
+        compiled = kernel[(step.grid,)](*args, num_warps=step.num_warps, num_stages=step.num_stages,
+                                        **step.constants)
+        if hasattr(compiled, "function"):  # a CompiledKernel (the interpreter returns none)
+            if entry is None or entry[0] is not step:
+                if len(_LAUNCHED) >= _MAX_LAUNCHED:
+                    _LAUNCHED.clear()
+                defaults = {p.name: p.default for p in kernel.params}
+                constants = [step.constants.get(n, defaults[n]) for n in kernel.arg_names[len(args):]]
+                entry = _LAUNCHED[id(step)] = (step, constants, {})
+            entry[2][key] = compiled
+        return
+    compiled[(step.grid, 1, 1)](*args, *entry[1])
 
 
 def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torch.Tensor]:
@@ -76,14 +103,18 @@ def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torc
     return env
 
 
+def _inference(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, deterministic):
+    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation, deterministic))
+    env = run_plan(plan, _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias))
+    return env[plan.output].to(x.dtype)
+
+
 @torch.library.custom_op("moe_torch::triton_experts", mutates_args=())
 def triton_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                    activation: str, deterministic: bool) -> torch.Tensor:
     """The inference forward: [T, H] in x's dtype."""
-    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation, deterministic))
-    env = run_plan(plan, _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias))
-    return env[plan.output].to(x.dtype)
+    return _inference(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, deterministic)
 
 
 @triton_experts.register_fake
@@ -166,4 +197,6 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return triton_experts_train(*args, activation)[0].to(hidden_states.dtype)
-    return triton_experts(*args, activation, deterministic)
+    if torch.compiler.is_compiling():
+        return triton_experts(*args, activation, deterministic)
+    return _inference(*args, activation, deterministic)  # eager: the same function without the op dispatch
