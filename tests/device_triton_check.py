@@ -7,6 +7,9 @@
 tolerance table; torch and JAX outputs and gradients bit-identical; two runs bit-identical (split over worker
 processes, which also compile in parallel). ``graphs``: CUDA-graph capture and replay in torch; torch.compile
 (fullgraph) in every mode, inference and training; JAX grouped_mm on the Triton kernel; which kernels ran.
+``steps``: each step of the forward and backward plans timed alone at model shapes, and the GEMM steps under
+variant tiles (``--variant-kinds``). ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
+out-of-memory, time and peak memory.
 ``tune``: times candidate tile configs per kernel and shape (compiled in parallel first), writes the best as
 ``<configs-out>/nvidia-h200.json`` (the format of shared/kernels/configs) and the decode threshold per shape.
 """
@@ -502,6 +505,45 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
         torch.cuda.empty_cache()
 
 
+# --- JAX training at large token counts -------------------------------------------------------------------------
+
+def large_jax_training(results, tokens=(16384, 65536)):
+    """JAX triton forward+backward (every gradient) on qwen3-30b-a3b at large T, jitted: no out-of-memory, the
+    time per call and the device's peak memory."""
+    import jax
+    import jax.numpy as jnp
+    import moe_jax
+    H, I, E, k = SHAPES["qwen3-30b-a3b"]
+    key = jax.random.PRNGKey(0)
+    kw, kd = jax.random.split(key)
+    gate_up = (jax.random.normal(kw, (E, 2 * I, H), jnp.float32) * H**-0.5).astype(jnp.bfloat16)
+    down = (jax.random.normal(kd, (E, H, I), jnp.float32) * I**-0.5).astype(jnp.bfloat16)
+
+    def loss(x, w, gate_up, down, idx, g):
+        out = moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton")
+        return jnp.sum(out.astype(jnp.float32) * g)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    for T in tokens:
+        def run(T=T):
+            kx, kl, kg = jax.random.split(jax.random.fold_in(key, T), 3)
+            x = jax.random.normal(kx, (T, H), jnp.bfloat16)
+            w, idx = jax.lax.top_k(jax.nn.softmax(jax.random.normal(kl, (T, E))), k)
+            g = jax.random.normal(kg, (T, H), jnp.float32)
+            args = (x, w.astype(jnp.bfloat16), gate_up, down, idx.astype(jnp.int32), g)
+            jax.block_until_ready(step(*args))
+            start = time.perf_counter()
+            for _ in range(3):
+                out = step(*args)
+            jax.block_until_ready(out)
+            stats = jax.devices()[0].memory_stats() or {}
+            return {"ms": round((time.perf_counter() - start) / 3 * 1e3, 3),
+                    "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
+                    "finite": bool(all(jnp.isfinite(v).all() for v in jax.tree_util.tree_leaves(out)))}
+
+        record(results, "jax-large-training", f"qwen3-30b-a3b T={T} fwd+bwd", run)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
@@ -528,6 +570,8 @@ def main():
         results += parallel("vectors", args.workers, args.out)
     if "graphs" in parts:
         graph_checks(results)
+    if "large" in parts:
+        large_jax_training(results)
     if "steps" in parts:
         step_timings(results, tuple(args.variant_kinds.split(",")))
     if "tune" in parts:
@@ -548,7 +592,7 @@ def main():
     for r in results:
         if not r["ok"]:
             print("FAIL", r["kind"], r["name"], r["detail"][:400])
-        elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm"):
+        elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
         elif r["kind"] in ("steps", "step-variants"):
             print(r["name"])
