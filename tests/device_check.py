@@ -4,7 +4,8 @@
 
 Every torch backend on CUDA and every JAX backend on the GPU against every shared vector (forward and gradients,
 the shared tolerance table); torch.compile entries of the spec on CUDA (and the cudagraph modes the spec leaves out
-of grouped_mm, to record why); decode_mode on CUDA; unchecked out-of-range ids; which JAX kernel ran.
+of grouped_mm, to record why); decode_mode on CUDA; unchecked out-of-range ids; grouped_mm's backward, bit-identical
+run to run under torch.use_deterministic_algorithms; which JAX kernel ran.
 """
 
 from __future__ import annotations
@@ -148,6 +149,36 @@ def torch_checks(results):
     _record(results, "torch-grouped-mm-dtypes", "F.grouped_mm on cuda", native_dtypes)
 
 
+def deterministic_backward_check(results):
+    """grouped_mm forward and backward three times on one bf16 problem under torch.use_deterministic_algorithms: the
+    output and every gradient must have the same bits each time."""
+    import torch
+    import moe_torch
+    dev = torch.device("cuda")
+    arrays, dy = random_case(21, T=512, H=256, I=128, E=16, k=4, bias=True, empty_fraction=0.1)
+
+    def once():
+        ts = {n: torch.from_numpy(np.ascontiguousarray(a)).to(dev) for n, a in arrays.items()}
+        ts = {n: t if n == "top_k_index" else t.to(torch.bfloat16).requires_grad_() for n, t in ts.items()}
+        out = moe_torch.experts_forward(**ts, implementation="grouped_mm")
+        out.backward(torch.from_numpy(dy).to(dev).to(torch.bfloat16))
+        return {"out": out.detach()} | {f"grad_{n}": t.grad for n, t in ts.items() if n in DIFF_ARGS}
+
+    def check():
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            first, *others = [once() for _ in range(3)]
+        finally:
+            torch.use_deterministic_algorithms(before)
+        differ = sorted({n for run in others for n, t in run.items() if not torch.equal(t, first[n])})
+        if differ:
+            raise AssertionError(f"bits differ between runs: {differ}")
+        return {"runs": 3, "bit_identical": sorted(first)}
+
+    _record(results, "torch-deterministic-backward", "grouped_mm bfloat16 T=512 H=256 I=128 E=16 k=4", check)
+
+
 def jax_checks(results):
     import jax
     import jax.numpy as jnp
@@ -206,6 +237,7 @@ def main():
         import torch
         meta |= {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
         torch_checks(results)
+        deterministic_backward_check(results)
     if "jax" in args.frameworks:
         import jax
         meta |= {"jax": jax.__version__, "jax_devices": [str(d) for d in jax.devices()]}

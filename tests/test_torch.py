@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_torch
 from moe_shared.registry import UnknownBackendError
@@ -130,7 +131,8 @@ def test_out_of_range_ids(backend, bad_id):
 
 def test_unknown_backend_lists_registered_names():
     with pytest.raises(ValueError, match=r"implementation: expected one of the registered torch backends "
-                                         r"\['batched_mm', 'eager', 'grouped_mm'.*got 'fast'"):
+                                         r"\['batched_mm', 'deepgemm', 'deepgemm_megamoe', 'eager', 'grouped_mm'"
+                                         r".*got 'fast'"):
         experts_forward(**_good(), implementation="fast")
     with pytest.raises(UnknownBackendError):
         Experts(2, 4, 2, experts_implementation="fast")
@@ -396,3 +398,73 @@ def test_grouped_mm_is_exact_whatever_the_rows_past_the_offsets_hold(case, monke
     for name, g in grads.items():
         assert torch.isfinite(g).all(), name
         assert_close(f"grad_{name}", g.float(), case.expected[f"grad_{name}"], case.dtype)
+
+
+# --- deterministic backward -------------------------------------------------------------------------------------
+
+def _grouped_mm_fwd_bwd(arrays, dy, dtype):
+    tensors = to_torch(arrays, dtype, requires_grad=True)
+    return run(tensors, "grouped_mm", grad_output=to_torch({"g": dy}, dtype)["g"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_mm_backward_gives_the_same_bits_every_run(dtype):
+    arrays, dy = random_case(12, T=33, H=16, I=8, E=5, k=3, bias=True, empty_fraction=0.2)
+    out, grads = _grouped_mm_fwd_bwd(arrays, dy, dtype)
+    again, grads_again = _grouped_mm_fwd_bwd(arrays, dy, dtype)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_again[name], g, rtol=0, atol=0, msg=name)
+
+
+class _AccumulatingOps(TorchDispatchMode):
+    """Records the name of every aten op run, and apart from them the ones that add into a tensor at indices
+    (atomics on CUDA)."""
+
+    ALWAYS = {"index_add", "scatter_add", "scatter_reduce", "embedding_dense_backward", "_embedding_bag_backward"}
+    WITH_ACCUMULATE = {"index_put", "_index_put_impl", "_unsafe_index_put", "put"}  # argument 3: accumulate
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.accumulating = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__.rstrip("_")
+        self.ops.append(name)
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        if name in self.ALWAYS or (name in self.WITH_ACCUMULATE and accumulate):
+            self.accumulating.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("H, I", [(16, 8), (18, 10)])  # the native grouped_mm and the loop op
+def test_grouped_mm_backward_runs_no_accumulating_scatter(dtype, H, I, deterministic_algorithms):
+    arrays, dy = random_case(13, T=17, H=H, I=I, E=4, k=2, bias=True, empty_fraction=0.2)
+    tensors = to_torch(arrays, dtype, requires_grad=True)
+    out = experts_forward(**tensors, implementation="grouped_mm")
+    with _AccumulatingOps() as recorder:
+        out.backward(to_torch({"g": dy}, dtype)["g"])
+    assert "_grouped_mm" in recorder.ops or "grouped_mm_loop_backward" in recorder.ops  # the mode saw the backward
+    assert recorder.accumulating == []
+    assert all(torch.isfinite(t.grad).all() for n, t in tensors.items() if n in DIFF_ARGS)  # empty memory is NaN
+
+
+def test_compiled_grouped_mm_backward_has_no_atomics():
+    from torch._inductor.utils import run_and_get_code
+
+    arrays, dy = random_case(14, T=9, H=16, I=8, E=4, k=2, bias=True, empty_fraction=0.2)
+    tensors = to_torch(arrays, "bfloat16", requires_grad=True)
+    fn = torch.compile(lambda **kw: experts_forward(**kw, implementation="grouped_mm"), fullgraph=True)
+    _, (forward_code, backward_code) = run_and_get_code(
+        lambda: fn(**tensors).backward(to_torch({"g": dy}, "bfloat16")["g"]))
+    assert "atomic_add" not in forward_code and "atomic_add" not in backward_code

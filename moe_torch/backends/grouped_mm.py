@@ -2,7 +2,9 @@
 
 The grouped matmul is ``torch.nn.functional.grouped_mm`` where it supports the dtype, device and strides, else the
 ``moe_torch::grouped_mm_loop`` custom op (a per-expert loop, opaque to torch.compile). Both are exact per-expert
-matmuls; the combine is a gather back to slot order and a sum over k (no atomics on any device).
+matmuls; the combine is a gather back to slot order and a sum over k (no atomics on any device). The backward has
+no atomics either: the row gathers carry their own gradients (a per-token sum over k in float32, a per-expert bias
+sum as a one-hot matmul, the inverse permutation), so it gives the same bits on every run.
 """
 
 from __future__ import annotations
@@ -92,13 +94,90 @@ grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)
 
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """[S, K] x [E, N, K] -> [S, N], rows grouped by expert at the int32 end offsets ``offs``."""
-    if native_supported(a, w):
+    # F.grouped_mm's backward also takes the output gradient [S, N]: its rows must be 16-byte aligned too
+    differentiated = torch.is_grad_enabled() and (a.requires_grad or w.requires_grad)
+    if native_supported(a, w) and not (differentiated and (w.shape[1] * a.element_size()) % _ALIGN):
         return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
     return grouped_mm_loop(a.contiguous(), w, offs)
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(1, t.shape[1])])
+
+
+class _RowGather(torch.autograd.Function):
+    """A row gather differentiated without an accumulating scatter. Autograd turns indexing into an index_put with
+    accumulate (atomics on CUDA: other bits on every run); the subclasses use what they know of their indices."""
+
+    @staticmethod
+    def rows(t, index):
+        return t[index]
+
+    @classmethod
+    def gather(cls, t, index, *backward_args):
+        """The gather, through this function where autograd records it, else plain (no autograd.Function cost)."""
+        if torch.is_grad_enabled() and t.requires_grad:
+            return cls.apply(t, index, *backward_args)
+        return cls.rows(t, index)
+
+
+class _TokenRows(_RowGather):
+    """x[token] with a zero row appended at index T. Backward: each token's k slot gradients, put back in slot order
+    through the permutation ``restore`` (nothing accumulates) and summed over k in float32 in a fixed order; empty
+    slots (``valid`` false, rows past the grouped matmul's offsets) are dropped."""
+
+    @staticmethod
+    def rows(x, token):
+        return _with_zero_row(x)[token]
+
+    @staticmethod
+    def forward(ctx, x, token, restore, valid, k):
+        ctx.save_for_backward(restore, valid)
+        ctx.slot_shape = (x.shape[0], k, x.shape[1])  # [T, k, H]
+        return _TokenRows.rows(x, token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        restore, valid = ctx.saved_tensors
+        per_slot = grad.index_select(0, restore).masked_fill_(~valid[:, None], 0)
+        # torch sums bfloat16 and float16 in float32 and rounds once
+        return per_slot.view(ctx.slot_shape).sum(1), None, None, None, None
+
+
+class _ExpertRows(_RowGather):
+    """bias[expert] with a zero row appended at index E. Backward: each expert's rows summed by a one-hot matmul
+    (float32 accumulation); rows of id E (empty slots, past the grouped matmul's offsets) are dropped."""
+
+    @staticmethod
+    def rows(bias, expert):
+        return _with_zero_row(bias)[expert]
+
+    @staticmethod
+    def forward(ctx, bias, expert):
+        ctx.save_for_backward(expert)
+        ctx.num_experts = bias.shape[0]
+        return _ExpertRows.rows(bias, expert)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (expert,) = ctx.saved_tensors
+        one_hot = expert == torch.arange(ctx.num_experts, device=expert.device, dtype=expert.dtype)[:, None]
+        rows = torch.where((expert < ctx.num_experts)[:, None], grad, 0)
+        return one_hot.to(grad.dtype) @ rows, None
+
+
+class _Permute(_RowGather):
+    """y[index] for a permutation ``index`` whose inverse is ``inverse``. Backward: grad[inverse]."""
+
+    @staticmethod
+    def forward(ctx, y, index, inverse):
+        ctx.save_for_backward(inverse)
+        return _Permute.rows(y, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
@@ -110,15 +189,15 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     offs = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # end of each expert's rows
 
     # Empty slots sort last (id E), past offs[-1], rows the grouped matmul never reads or writes. They gather an
-    # appended zero token row (index T) and zero bias rows (index E), so whatever those rows hold only ever reaches
-    # the appended rows' gradients, which are dropped; the combine zeroes their outputs exactly.
+    # appended zero token row (index T) and zero bias rows (index E), and the gathers' backwards drop their
+    # gradients, so whatever those rows hold never reaches a gradient; the combine zeroes their outputs exactly.
     token = torch.where(sorted_ids < E, order // slots.k, slots.T)
-    x = _with_zero_row(hidden_states.to(gate_up_proj.dtype))[token]
+    restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    x = _TokenRows.gather(hidden_states.to(gate_up_proj.dtype), token, restore, slots.valid, slots.k)
     h = grouped_linear(x, gate_up_proj, offs)
     if gate_up_bias is not None:
-        h = h + _with_zero_row(gate_up_bias)[sorted_ids]
+        h = h + _ExpertRows.gather(gate_up_bias, sorted_ids)
     y = grouped_linear(gate(activation, h, I).contiguous(), down_proj, offs)
     if down_bias is not None:
-        y = y + _with_zero_row(down_bias)[sorted_ids]
-    restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return combine(y[restore], slots, top_k_weights, hidden_states.dtype)
+        y = y + _ExpertRows.gather(down_bias, sorted_ids)
+    return combine(_Permute.gather(y, restore, order), slots, top_k_weights, hidden_states.dtype)
