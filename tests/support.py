@@ -82,3 +82,28 @@ def cpu_backends(framework: str) -> list[str]:
     """The backends the spec declares for CPU in ``framework``; GPU-only ones have their own tests (requirement
     errors here, the kernels under the Triton interpreter or on the device)."""
     return [n for n in SPEC.backend_names(framework) if "cpu" in SPEC.backends[n].support(framework).devices]
+
+
+def padded_arrays(arrays: dict, multiple: int) -> dict:
+    """The same problem with H and I zero-padded to multiples of ``multiple`` (for kernels that need them): padded
+    gate and up rows give act(0) * 0 = 0, padded hidden columns give zeros, so out[:, :H] is unchanged."""
+    E, H, I = arrays["down_proj"].shape
+    H2, I2 = -(-H // multiple) * multiple, -(-I // multiple) * multiple
+
+    def grow(a, axis, size):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, size - a.shape[axis])
+        return np.pad(a, widths)
+
+    def gate_up(a, axis):
+        gate, up = np.split(a, 2, axis=axis)
+        return np.concatenate([grow(gate, axis, I2), grow(up, axis, I2)], axis=axis)
+
+    out = dict(arrays, hidden_states=grow(arrays["hidden_states"], 1, H2),
+               gate_up_proj=grow(gate_up(arrays["gate_up_proj"], 1), 2, H2),
+               down_proj=grow(grow(arrays["down_proj"], 1, H2), 2, I2))
+    if "gate_up_bias" in arrays:
+        out["gate_up_bias"] = gate_up(arrays["gate_up_bias"], 1)
+    if "down_bias" in arrays:
+        out["down_bias"] = grow(arrays["down_bias"], 1, H2)
+    return out

@@ -22,6 +22,7 @@ from . import VECTORS_DIR
 # (name, dtype, T, H, I, E, k, routing, activation, bias)
 _SMALL = dict(H=18, I=10, E=5)
 _ALIGNED = dict(H=16, I=8, E=4)
+_HALF_ALIGNED = dict(H=18, I=8, E=4)  # I aligned for a native grouped GEMM, H (its output rows) not: found by fuzzing
 
 
 def _case_table():
@@ -37,6 +38,7 @@ def _case_table():
             (f"{dt}-empty-slots-T64", dt, 64, _SMALL, 3, "empty_slots", "silu", True),
             (f"{dt}-relu-T64", dt, 64, _SMALL, 2, "uniform", "relu", False),
             (f"{dt}-aligned-T64", dt, 64, _ALIGNED, 2, "uniform", "silu", True),
+            (f"{dt}-half-aligned-T9", dt, 9, _HALF_ALIGNED, 2, "uniform", "silu", True),
         ]
     return rows
 
