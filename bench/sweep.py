@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moe_shared import relative_l2
+from moe_shared import load_spec, relative_l2
 
 from . import budget, inputs, roofline
 from .configs import Config
@@ -76,6 +76,12 @@ def _where(framework, backend, cfg, tokens, mode, variant) -> dict:
             "compiled": variant is not None, "compile_mode": variant}
 
 
+def _inference_only(framework: str, backend: str) -> bool:
+    declared = load_spec().backends.get(PEERS[backend].counterpart if backend in PEERS else backend)
+    support = declared.frameworks.get(framework) if declared is not None else None
+    return support is not None and not support.training
+
+
 def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, results: Results) -> list[Point]:
     itemsize = torch.empty(0, dtype=getattr(torch, opts.dtype)).element_size()
     device_class = opts.device.type
@@ -94,6 +100,10 @@ def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, resu
                         results.skipped.append(_where(fw, backend, cfg, None, None, variant) | {"reason": reason})
                         continue
                     for mode in opts.modes:
+                        if mode != "fwd" and _inference_only(fw, backend):
+                            results.skipped.append(_where(fw, backend, cfg, None, mode, variant)
+                                                   | {"reason": "inference only (the spec's training = false)"})
+                            continue
                         for tokens in opts.tokens or cfg.tokens:
                             shape = budget.Shape(cfg, tokens, mode, itemsize)
                             cost_like = PEERS[backend].counterpart if backend in PEERS else backend

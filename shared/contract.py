@@ -13,7 +13,7 @@ names the argument, what was expected and what was received.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from .spec import load_spec
 
@@ -134,3 +134,19 @@ def check_expert_ids(lowest: int, highest: int, num_experts: int) -> None:
     if lowest < empty or highest >= num_experts:
         raise _fail("top_k_index", f"expert ids in [{empty}, {num_experts}) ({empty} = empty slot)",
                     f"ids from {lowest} to {highest}")
+
+
+# Where each dimension a backend may need a multiple of is read and reported: (argument, its legend, axis). H is the
+# K of the gate/up GEMM (gate_up_proj's last axis), I the K of the down GEMM (down_proj's last axis).
+DIMENSION_AXES = {"H": ("gate_up_proj", "[E, 2I, H]", 2), "I": ("down_proj", "[E, H, I]", 2)}
+
+
+def check_multiples(backend: str, multiples: Mapping[str, int], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """ValueError naming the argument if a dimension of ``multiples`` (dimension -> multiple) is not a multiple of
+    it; ``shapes`` maps argument names to shapes."""
+    for dim, multiple in multiples.items():
+        arg, legend, axis = DIMENSION_AXES[dim]
+        size = shapes[arg][axis]
+        if size % multiple:
+            raise _fail(arg, f"{dim} a multiple of {multiple} for implementation {backend!r} (shape {legend})",
+                        f"shape {tuple(shapes[arg])}, {dim} = {size}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 
+from .requirements import check_compute_capability
 from .spec import FrameworkSupport, load_spec
 
 
@@ -86,15 +87,16 @@ class BackendRegistry(Mapping[str, Callable]):
             if not package_present(package):
                 raise ImportError(f"implementation {name!r} needs the package {package!r}: "
                                   f"pip install 'moe-experts[{extra}]'")
-        if device_class not in support.devices:
-            raise RuntimeError(f"implementation {name!r} runs on {list(support.devices)}, got {where}")
-        needed = support.requires.compute_capability
-        if needed is not None and compute_capability is not None and tuple(compute_capability) < tuple(needed):
-            raise RuntimeError(f"implementation {name!r} needs CUDA compute capability >= {needed[0]}.{needed[1]}, "
-                               f"got {compute_capability[0]}.{compute_capability[1]} on {where}")
-        if dtype not in support.dtypes:
-            raise ValueError(f"gate_up_proj: implementation {name!r} supports dtypes {list(support.dtypes)}, "
-                             f"got dtype {dtype}")
+        try:
+            if device_class not in support.devices:
+                raise RuntimeError(f"implementation {name!r} runs on {list(support.devices)}, got {where}")
+            if compute_capability is not None:
+                check_compute_capability(name, support.requires.compute_capability, compute_capability, where)
+        except RuntimeError as err:
+            if not support.requires.other:
+                raise
+            raise RuntimeError(f"{err}; it also needs {'; '.join(support.requires.other.values())}") from None
+        support.check_dtype(name, dtype)
 
     def availability(self, check: Callable[[str, str], None]) -> dict[str, str | None]:
         """Every backend -> None if ``check(name, dtype)`` passes for its preferred dtype (bfloat16 where

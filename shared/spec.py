@@ -27,6 +27,13 @@ class CompileSupport:
 class Requirements:
     packages: Mapping[str, str] = field(default_factory=dict)  # import name -> pip extra
     compute_capability: tuple[int, int] | None = None
+    nvcc: Mapping[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # min CC -> min nvcc version
+    abi: Mapping[str, Any] | None = None  # distribution, package, framework, builds: {version: [framework versions]}
+    other: Mapping[str, str] = field(default_factory=dict)  # what else a backend needs, described (checked there)
+
+
+_NO_GRADIENTS = {"torch": "call it under torch.no_grad() or on inputs without requires_grad",
+                 "jax": "call it outside jax.grad / jax.vjp"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,21 @@ class FrameworkSupport:
     jit: bool | None = None  # jax only
     details: Mapping[str, Any] = field(default_factory=dict)  # backend-specific data (kernels, ...)
     activations: tuple[str, ...] | None = None  # named activations only; None: every contract one and callables
+    training: bool = True  # False: inference only, a differentiated call raises
+    multiples: Mapping[str, int] = field(default_factory=dict)  # dimension (H, I, ...) -> what it must divide by
+
+    def check_dtype(self, backend: str, dtype: str) -> None:
+        """Raise ValueError if the weights' ``dtype`` is not one this backend takes."""
+        if dtype not in self.dtypes:
+            raise ValueError(f"gate_up_proj: implementation {backend!r} supports dtypes {list(self.dtypes)}, "
+                             f"got dtype {dtype}")
+
+    def training_error(self, backend: str, trainers: tuple[str, ...] = ()) -> RuntimeError:
+        """The error a differentiated call of an inference-only backend raises (``trainers``: backends that train)."""
+        hint = f"; train with one of {list(trainers)}" if trainers else ""
+        return RuntimeError(f"implementation {backend!r} is inference only (the spec's training = false), got a "
+                            f"differentiated call: {_NO_GRADIENTS.get(self.framework, 'call it without gradients')}"
+                            f"{hint}")
 
     def check_activation(self, backend: str, activation) -> None:
         """Raise ValueError if this backend cannot take ``activation`` (a name or a callable gate)."""
@@ -80,6 +102,10 @@ class Spec:
     def backend_names(self, framework: str) -> tuple[str, ...]:
         return tuple(n for n, b in self.backends.items() if framework in b.frameworks)
 
+    def trainers(self, framework: str) -> tuple[str, ...]:
+        """The backends of ``framework`` that support gradients."""
+        return tuple(n for n in self.backend_names(framework) if self.backends[n].frameworks[framework].training)
+
     def tolerance_for(self, dtype: str) -> float:
         try:
             return self.tolerance[dtype]
@@ -91,25 +117,50 @@ class Spec:
         return int(self.decode_max_slots.get(framework, {}).get(device_class, 0))
 
 
-_KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit", "activations"}
+_KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit", "activations", "training",
+                       "multiples"}
+_BACKEND_KEYS = {"description", "data_dependent", *FRAMEWORKS}
+_CHECKED_REQUIREMENTS = {"packages", "compute_capability", "nvcc", "abi"}
 
 
-def _support(framework: str, raw: Mapping[str, Any]) -> FrameworkSupport:
-    req = raw.get("requires", {})
+def version_tuple(text: str) -> tuple[int, ...]:
+    """"12.3" -> (12, 3)."""
+    return tuple(int(part) for part in str(text).split("."))
+
+
+def _merged(common: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+    """``own`` over ``common``, tables merged key by key."""
+    out = dict(common)
+    for key, value in own.items():
+        out[key] = _merged(common[key], value) if isinstance(value, Mapping) and isinstance(
+            common.get(key), Mapping) else value
+    return out
+
+
+def _requirements(req: Mapping[str, Any], distributions: Mapping[str, Any]) -> Requirements:
     cc = req.get("compute_capability")
+    return Requirements(
+        packages=MappingProxyType(dict(req.get("packages", {}))),
+        compute_capability=tuple(cc) if cc is not None else None,
+        nvcc=MappingProxyType({version_tuple(c): tuple(v) for c, v in req.get("nvcc", {}).items()}),
+        abi=MappingProxyType({"distribution": req["abi"]} | distributions[req["abi"]]) if "abi" in req else None,
+        other=MappingProxyType({k: v for k, v in req.items() if k not in _CHECKED_REQUIREMENTS}),
+    )
+
+
+def _support(framework: str, raw: Mapping[str, Any], distributions: Mapping[str, Any]) -> FrameworkSupport:
     comp = raw.get("compile")
     return FrameworkSupport(
         framework=framework,
         devices=tuple(raw["devices"]),
         dtypes=tuple(raw["dtypes"]),
         quantized=tuple(raw.get("quantized", ())),
-        requires=Requirements(
-            packages=MappingProxyType(dict(req.get("packages", {}))),
-            compute_capability=tuple(cc) if cc is not None else None,
-        ),
+        requires=_requirements(raw.get("requires", {}), distributions),
         compile=CompileSupport(bool(comp["fullgraph"]), tuple(comp["modes"]), tuple(comp["dtypes"])) if comp else None,
         jit=raw.get("jit"),
         activations=tuple(raw["activations"]) if "activations" in raw else None,
+        training=bool(raw.get("training", True)),
+        multiples=MappingProxyType(dict(raw.get("multiples", {}))),
         details=MappingProxyType({k: v for k, v in raw.items() if k not in _KNOWN_SUPPORT_KEYS}),
     )
 
@@ -118,7 +169,9 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
     contract = raw["contract"]
     backends = {}
     for name, b in raw["backends"].items():
-        frameworks = {fw: _support(fw, b[fw]) for fw in FRAMEWORKS if fw in b}
+        common = {k: v for k, v in b.items() if k not in _BACKEND_KEYS}  # defaults of every framework entry
+        frameworks = {fw: _support(fw, _merged(common, b[fw]), raw.get("distributions", {}))
+                      for fw in FRAMEWORKS if fw in b}
         backends[name] = BackendSpec(name, b["description"], bool(b.get("data_dependent", False)),
                                      MappingProxyType(frameworks))
     decode = raw.get("decode", {}).get("max_slots", {})

@@ -24,6 +24,21 @@ def _list(values) -> str:
     return ", ".join(values) if values else "-"
 
 
+def _dotted(version) -> str:
+    return ".".join(str(v) for v in version)
+
+
+# Each kind of requirement as the words of the requires column.
+_REQUIREMENT_WORDS = (
+    lambda r: [f"{p} ([{e}])" for p, e in r.packages.items()],
+    lambda r: [f"CC >= {_dotted(r.compute_capability)}"] if r.compute_capability else [],
+    lambda r: ["nvcc >= " + " / ".join(f"{_dotted(v)} (CC {_dotted(cc)})" for cc, v in r.nvcc.items())]
+    if r.nvcc else [],
+    lambda r: [f"{r.abi['distribution']} built for the installed {r.abi['framework']}"] if r.abi else [],
+    lambda r: list(r.other.values()),
+)
+
+
 def backends_table(spec: Spec) -> str:
     rows = []
     for name, b in spec.backends.items():
@@ -33,13 +48,11 @@ def backends_table(spec: Spec) -> str:
             s = b.frameworks[fw]
             traced = ("torch.compile fullgraph" if s.compile and s.compile.fullgraph else "torch.compile (graph breaks)"
                       if s.compile else "jax.jit" if s.jit else "eager only")
-            needs = _list([f"{p} ([{e}])" for p, e in s.requires.packages.items()] +
-                          ([f"CC >= {s.requires.compute_capability[0]}.{s.requires.compute_capability[1]}"]
-                           if s.requires.compute_capability else []))
-            rows.append([f"`{name}`", fw, _list(s.devices), _list(s.dtypes), _list(s.quantized), traced, needs,
-                         b.description])
-    return _table(["backend", "framework", "devices", "dtypes", "quantized", "compile / jit", "requires",
-                   "what it does"], rows)
+            needs = _list([words for kind in _REQUIREMENT_WORDS for words in kind(s.requires)])
+            rows.append([f"`{name}`", fw, _list(s.devices), _list(s.dtypes), _list(s.quantized), traced,
+                         "yes" if s.training else "no", needs, b.description])
+    return _table(["backend", "framework", "devices", "dtypes", "quantized", "compile / jit", "training",
+                   "requires", "what it does"], rows)
 
 
 def compile_table(spec: Spec) -> str:

@@ -48,7 +48,9 @@ def forward_and_grads(arrays: dict, backend: str, activation="silu", grad_output
 def test_registry_holds_the_spec_backends():
     assert set(SPEC.backend_names("jax")) <= set(BACKENDS)
     assert all(BACKENDS.capability(n) is SPEC.backends[n].support("jax") for n in SPEC.backend_names("jax"))
-    assert set(SPEC.backend_names("torch")) <= set(BACKENDS)  # the same names as torch
+    torch_only = {n for n in SPEC.backend_names("torch") if "jax" not in SPEC.backends[n].frameworks}
+    assert torch_only == {"deepgemm_megamoe"}  # the fused expert-parallel kernel has no JAX binding
+    assert set(SPEC.backend_names("torch")) - torch_only <= set(BACKENDS)  # the same names as torch otherwise
 
 
 def test_moe_jax_never_imports_torch():
@@ -128,8 +130,8 @@ def test_bad_array_type_and_unknown_names():
     values = to_jax(good_arrays(), "float32")
     with pytest.raises(ValueError, match="hidden_states: expected a jax.Array, got list"):
         experts_forward(**values | {"hidden_states": [[1.0]]})
-    with pytest.raises(ValueError, match=r"implementation: expected one of the registered jax backends "
-                                         r"\['batched_mm', 'eager', 'grouped_mm', 'ragged_dot'.*got 'fast'"):
+    with pytest.raises(ValueError, match=r"implementation: expected one of the registered jax backends \['batched_mm', "
+                                         r"'deepgemm', 'eager', 'grouped_mm', 'ragged_dot'.*got 'fast'"):
         experts_forward(**values, implementation="fast")
     with pytest.raises(ValueError, match=r"activation: expected one of \['silu', 'gelu', 'relu'\]"):
         experts_forward(**values, activation="tanh")

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_shared_imports_neither_framework():
     import subprocess
     code = ("import sys, moe_shared, moe_shared.reference, moe_shared.switching, moe_shared.registry, "
-            "moe_shared.vectors.generate; bad = [m for m in ('torch', 'jax') if m in sys.modules]; "
+            "moe_shared.requirements, moe_shared.contiguous_layout, moe_shared.vectors.generate; "
+            "bad = [m for m in ('torch', 'jax') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -248,3 +249,28 @@ def test_registry_checks_requirements_as_declared():
     assert "undeclared" not in registry
     with pytest.raises(ValueError, match="expected one of the registered torch backends"):
         registry["undeclared"]
+
+
+def test_spec_backend_level_defaults_and_distributions():
+    """Keys at the backend level are defaults of each framework entry (tables merged); requires.abi names a
+    distribution of [distributions]; training and multiples parse; other requires keys are kept as described."""
+    from moe_shared.spec import parse_spec
+    raw = {"contract": {"activations": ["silu"], "dtypes": ["bfloat16"], "index_dtypes": ["int32"], "empty_slot": -1},
+           "tolerance": {"bfloat16": 0.02},
+           "distributions": {"wheel": {"package": "wheel_mod", "framework": "torch", "builds": {"1.0": ["2.11"]}}},
+           "backends": {"b": {"description": "d", "devices": ["cuda"], "dtypes": ["bfloat16"], "training": False,
+                              "multiples": {"H": 64}, "layout": {"group_alignment": 128},
+                              "requires": {"packages": {"wheel_mod": "x"}, "nvcc": {"9.0": [12, 3]}, "abi": "wheel",
+                                           "group": "a process group"},
+                              "torch": {"requires": {"packages": {"torch": "y"}}},
+                              "jax": {"dtypes": ["float32"], "jit": True}}}}
+    b = parse_spec(raw).backends["b"]
+    torch_support, jax_support = b.support("torch"), b.support("jax")
+    assert dict(torch_support.requires.packages) == {"wheel_mod": "x", "torch": "y"}
+    assert dict(jax_support.requires.packages) == {"wheel_mod": "x"} and jax_support.dtypes == ("float32",)
+    assert torch_support.requires.nvcc == {(9, 0): (12, 3)} and not torch_support.training
+    assert torch_support.requires.abi == {"distribution": "wheel", "package": "wheel_mod", "framework": "torch",
+                                          "builds": {"1.0": ["2.11"]}}
+    assert dict(torch_support.requires.other) == {"group": "a process group"}
+    assert dict(torch_support.multiples) == {"H": 64} and torch_support.details["layout"] == {"group_alignment": 128}
+    assert parse_spec(raw).trainers("torch") == ()

@@ -16,7 +16,7 @@ from moe_shared import load_spec
 from ..base import HIGHEST, Slots, combine, gate, is_traced
 
 NAME = "eager"
-_JITTABLE = [n for n, b in load_spec().backends.items() if b.frameworks.get("jax") and b.frameworks["jax"].jit]
+_JITTABLE = sorted(n for n, b in load_spec().backends.items() if b.frameworks.get("jax") and b.frameworks["jax"].jit)
 
 
 def _dense(x, w, b):

@@ -1,0 +1,174 @@
+"""Requirement checks that need no framework: compute capability, the CUDA toolkit, a binary distribution's
+framework ABI, quantized scale formats, and importing a required package.
+
+Each raises at the first call with what is missing, what was expected and what was found: RuntimeError for the
+hardware and the toolkit, ImportError for packages (naming the pip extra, or the build to install), ValueError for
+arguments. Data come from the spec (``Requirements``); nothing here falls back to anything else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from .spec import Requirements, version_tuple
+
+DEFAULT_CUDA_ROOT = "/usr/local/cuda"
+TOOLKIT_VARIABLES = ("CUDA_HOME", "CUDA_PATH")  # then nvcc on PATH, then DEFAULT_CUDA_ROOT: DeepGEMM's own order
+
+_NVCC_VERSIONS: dict[str, tuple[int, int]] = {}
+_LOADED: dict[tuple, ModuleType] = {}
+
+
+def _dotted(version) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def for_capability(table: Mapping, compute_capability: tuple[int, int]):
+    """The value of ``table`` (minimum compute capability -> value, keys as tuples or "9.0") whose key is the
+    highest one at or below ``compute_capability``; None when every key is above it."""
+    keys = [k for k in table if tuple(version_tuple(k) if isinstance(k, str) else k) <= tuple(compute_capability)]
+    return table[max(keys, key=lambda k: version_tuple(k) if isinstance(k, str) else k)] if keys else None
+
+
+def check_compute_capability(backend: str, needed: tuple[int, int] | None, compute_capability: tuple[int, int],
+                             where: str) -> None:
+    if needed is not None and tuple(compute_capability) < tuple(needed):
+        raise RuntimeError(f"implementation {backend!r} needs CUDA compute capability >= {_dotted(needed)}, "
+                           f"got {_dotted(compute_capability)} on {where}")
+
+
+@dataclass(frozen=True)
+class Toolkit:
+    root: str
+    found_by: str  # "CUDA_HOME", "CUDA_PATH", "nvcc on PATH" or DEFAULT_CUDA_ROOT
+
+    @property
+    def nvcc(self) -> Path:
+        return Path(self.root) / "bin" / "nvcc"
+
+
+def find_cuda_toolkit(backend: str, environ: Mapping[str, str] | None = None) -> Toolkit:
+    """The CUDA toolkit DeepGEMM compiles with: CUDA_HOME, CUDA_PATH, the root of the nvcc on PATH (two levels up),
+    then /usr/local/cuda. Raises RuntimeError when there is none."""
+    env = os.environ if environ is None else environ
+    for variable in TOOLKIT_VARIABLES:
+        if env.get(variable):
+            return Toolkit(env[variable], variable)
+    nvcc = shutil.which("nvcc", path=env.get("PATH", ""))
+    if nvcc is not None:
+        return Toolkit(str(Path(nvcc).parent.parent), "nvcc on PATH")
+    if os.path.exists(DEFAULT_CUDA_ROOT):
+        return Toolkit(DEFAULT_CUDA_ROOT, DEFAULT_CUDA_ROOT)
+    raise RuntimeError(f"implementation {backend!r} needs a CUDA toolkit with nvcc (it compiles its kernels at run "
+                       f"time), got none: CUDA_HOME and CUDA_PATH are unset, no nvcc on PATH, no "
+                       f"{DEFAULT_CUDA_ROOT}; install the CUDA toolkit and set CUDA_HOME to it")
+
+
+def nvcc_version(nvcc: str | Path) -> tuple[int, int]:
+    """(major, minor) from ``nvcc --version`` ("... release 12.3, V12.3.107"); read once per path."""
+    key = str(nvcc)
+    if key not in _NVCC_VERSIONS:
+        try:
+            done = subprocess.run([key, "--version"], capture_output=True, text=True, timeout=60)
+            output = done.stdout + done.stderr
+        except (OSError, subprocess.SubprocessError) as err:
+            raise RuntimeError(f"{key} --version failed: {err}") from err
+        found = re.search(r"release (\d+)\.(\d+)", output)
+        if found is None:
+            raise RuntimeError(f"{key} --version printed no 'release X.Y': {output.strip()[:300]!r}")
+        _NVCC_VERSIONS[key] = (int(found[1]), int(found[2]))
+    return _NVCC_VERSIONS[key]
+
+
+def check_toolkit(backend: str, minimums: Mapping[tuple[int, int], tuple[int, int]],
+                  compute_capability: tuple[int, int], environ: Mapping[str, str] | None = None) -> Toolkit:
+    """The toolkit, after checking that it has nvcc (a runtime-only install has not) at the version ``minimums``
+    asks for the device's compute capability. RuntimeError otherwise."""
+    toolkit = find_cuda_toolkit(backend, environ)
+    needed = for_capability(minimums, compute_capability)
+    wanted = f"nvcc >= {_dotted(needed)}" if needed else "nvcc"
+    if not (toolkit.nvcc.is_file() and os.access(toolkit.nvcc, os.X_OK)):
+        raise RuntimeError(f"implementation {backend!r} needs a full CUDA toolkit with {wanted} (it compiles its "
+                           f"kernels at run time), got {toolkit.root} (from {toolkit.found_by}) without bin/nvcc, a "
+                           f"runtime-only install; install the toolkit and set CUDA_HOME to it")
+    version = nvcc_version(toolkit.nvcc)
+    if needed is not None and version < tuple(needed):
+        raise RuntimeError(f"implementation {backend!r} needs {wanted} on compute capability "
+                           f"{_dotted(compute_capability)}, got nvcc {_dotted(version)} at {toolkit.nvcc} "
+                           f"(from {toolkit.found_by})")
+    return toolkit
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_abi(backend: str, abi: Mapping) -> None:
+    """ImportError unless the installed build of ``abi["distribution"]`` is one ``abi["builds"]`` records for the
+    installed ``abi["framework"]``. A package not installed from that distribution (built from source against the
+    local framework) is not checked."""
+    dist, framework, builds = abi["distribution"], abi["framework"], abi["builds"]
+    build = installed_version(dist)
+    if build is None:
+        return
+    have = installed_version(framework)
+    if have is not None and _major_minor(have) in builds.get(build, ()):
+        return
+    matching = [b for b, versions in builds.items() if have is not None and _major_minor(have) in versions]
+    built_for = (f"built against {framework} {', '.join(builds[build])}" if build in builds else
+                 f"a build whose {framework} ABI is not recorded (recorded: " +
+                 "; ".join(f"{b} for {framework} {', '.join(v)}" for b, v in builds.items()) + ")")
+    fix = (f"pip install '{dist}=={matching[-1]}'" if matching else
+           f"no recorded {dist} build is for it: install {framework} " +
+           " or ".join(sorted({v for versions in builds.values() for v in versions})))
+    raise ImportError(f"implementation {backend!r} needs the {dist} build for the installed {framework} "
+                      f"{have or '(none)'}: {dist} {build} is {built_for}; {fix}")
+
+
+def check_scales(backend: str, rules: Mapping[str, list], compute_capability: tuple[int, int], scales: str) -> None:
+    """ValueError unless quantized experts' ``scales`` format is one ``rules`` (minimum compute capability -> scale
+    formats the kernels read) allows on this device: float32 scales on Blackwell must not run."""
+    allowed = for_capability(rules, compute_capability) or []
+    if scales not in allowed:
+        raise ValueError(f"scales: implementation {backend!r} reads {list(allowed)} scales on compute capability "
+                         f"{_dotted(compute_capability)}, got {scales}")
+
+
+def import_required(backend: str, requires: Requirements, package: str) -> ModuleType:
+    try:
+        return importlib.import_module(package)
+    except ImportError as err:
+        raise ImportError(f"implementation {backend!r} needs the package {package!r}: "
+                          f"pip install 'moe-experts[{requires.packages[package]}]' ({err})") from err
+
+
+def load_cuda_package(backend: str, requires: Requirements, package: str, compute_capability: tuple[int, int],
+                      where: str) -> ModuleType:
+    """``package`` imported after every check ``requires`` makes for a CUDA device of ``compute_capability``
+    (described as ``where``): the compute capability, the ABI of its build (before the import: a mismatched build
+    must not load), the toolkit. Once per backend, package, capability and toolkit search path."""
+    key = (backend, package, tuple(compute_capability), *(os.environ.get(v) for v in (*TOOLKIT_VARIABLES, "PATH")))
+    if key not in _LOADED:
+        check_compute_capability(backend, requires.compute_capability, compute_capability, where)
+        if requires.abi is not None:
+            check_abi(backend, requires.abi)
+        if requires.nvcc:
+            check_toolkit(backend, requires.nvcc, compute_capability)
+        _LOADED[key] = import_required(backend, requires, package)
+    return _LOADED[key]
