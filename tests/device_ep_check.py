@@ -106,7 +106,10 @@ def torch_part(args, rank, world_size) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results: dict = {}
-    backends = [n for n in SPEC.backend_names("torch") if moe_torch.available_backends(device.type).get(n) is None]
+    available = moe_torch.available_backends(device.type)
+    backends = [n for n in SPEC.backend_names("torch") if available.get(n) is None  # float32 training parity
+                and SPEC.backends[n].frameworks["torch"].training
+                and "float32" in SPEC.backends[n].frameworks["torch"].dtypes]
     for backend in backends:
         for case in ("uniform", "skewed", "no_tokens", "all_empty"):
             _record(results, f"parity/{case}/{backend}", lambda: ep_workers._torch_parity(

@@ -191,8 +191,9 @@ def _torch_parity(results, label, rank, world_size, case, backend, *, dtype="flo
     experts = slice(ep.first_expert, ep.first_expert + ep.num_local_experts)
     err = lambda a, b: relative_l2(a.detach().double().cpu().numpy(), b.detach().double().cpu().numpy())
     results[f"{label}/out"] = err(out, ref[rows])
+    grad = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # none when no rank has tokens
     for n in ("hidden_states", "top_k_weights"):
-        results[f"{label}/grad_{n}"] = err(mine[n].grad, whole[n].grad[rows])
+        results[f"{label}/grad_{n}"] = err(grad(mine[n]), grad(whole[n])[rows])
     for n, p in ep.experts.named_parameters():
         got = p.grad if p.grad is not None else torch.zeros_like(p)
         results[f"{label}/grad_{n}"] = err(got, getattr(full, n).grad[experts])
