@@ -77,5 +77,31 @@ def combine(y, slots: Slots, top_k_weights, out_dtype):
     return (y * w[:, None]).reshape(slots.T, slots.k, y.shape[-1]).sum(axis=1).astype(out_dtype)
 
 
+@jax.custom_vjp
+def _gather_rows_f32_grad(table, index):
+    return table[index]
+
+
+def _gather_rows_fwd(table, index):
+    return table[index], (table, index)
+
+
+def _gather_rows_bwd(saved, grad):
+    table, index = saved
+    total = jnp.zeros(table.shape, jnp.float32).at[index].add(grad.astype(jnp.float32))
+    return total.astype(table.dtype), None
+
+
+_gather_rows_f32_grad.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def gather_rows(table, index):
+    """``table[index]`` (rows); for a half-precision table the gradient sums each row's contributions in float32
+    (the gather's own transpose adds them in the table's dtype: a long bfloat16 sum)."""
+    if jnp.dtype(table.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return _gather_rows_f32_grad(table, index)
+    return table[index]
+
+
 def add_bias(h, bias, expert_ids):
-    return h if bias is None else h + bias[expert_ids]
+    return h if bias is None else h + gather_rows(bias, expert_ids)

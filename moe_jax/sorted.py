@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from .base import Slots, combine, gate
+from .base import Slots, combine, gate, gather_rows
 from .grouped_matmul import grouped_matmul
 
 
@@ -31,9 +31,9 @@ def sorted_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_pr
     x = _with_zero_row(hidden_states.astype(gate_up_proj.dtype))[token]
     h = grouped_matmul(x, gate_up_proj, group_sizes, kernels=kernels)
     if gate_up_bias is not None:
-        h = h + _with_zero_row(gate_up_bias)[sorted_ids]
+        h = h + gather_rows(_with_zero_row(gate_up_bias), sorted_ids)
     y = grouped_matmul(gate(activation, h, I), down_proj, group_sizes, kernels=kernels)
     if down_bias is not None:
-        y = y + _with_zero_row(down_bias)[sorted_ids]
+        y = y + gather_rows(_with_zero_row(down_bias), sorted_ids)
     restore = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return combine(y[restore], slots, top_k_weights, hidden_states.dtype)

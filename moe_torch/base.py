@@ -69,5 +69,31 @@ def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtyp
     return (y * w[:, None]).view(slots.T, slots.k, H).sum(dim=1).to(out_dtype)
 
 
+class _GatherRows(torch.autograd.Function):
+    """table[index] whose gradient sums each row's contributions in float32 (autograd's own would add them in the
+    table's dtype: a long bfloat16 sum)."""
+
+    @staticmethod
+    def forward(ctx, table, index):
+        ctx.save_for_backward(index)
+        ctx.table = (table.shape, table.dtype)
+        return table[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        shape, dtype = ctx.table
+        total = grad.new_zeros(shape, dtype=torch.float32).index_add_(0, index.reshape(-1),
+                                                                      grad.reshape(-1, *shape[1:]).float())
+        return total.to(dtype), None
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` (rows); for a half-precision table that takes gradients, the gradient is summed in float32."""
+    if table.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled() and table.requires_grad:
+        return _GatherRows.apply(table, index)
+    return table[index]
+
+
 def add_bias(h: torch.Tensor, bias: torch.Tensor | None, expert_ids: torch.Tensor) -> torch.Tensor:
-    return h if bias is None else h + bias[expert_ids]
+    return h if bias is None else h + gather_rows(bias, expert_ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import Slots, add_bias, combine, gate, linear
+from ..base import Slots, add_bias, combine, gate, gather_rows, linear
 
 NAME = "batched_mm"
 
@@ -12,6 +12,6 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     E, H, I = down_proj.shape
     slots = Slots(top_k_index, E)
     x = hidden_states.astype(gate_up_proj.dtype)[slots.token_of_slot()]
-    h = add_bias(linear(x, gate_up_proj[slots.safe_ids]), gate_up_bias, slots.safe_ids)
-    y = add_bias(linear(gate(activation, h, I), down_proj[slots.safe_ids]), down_bias, slots.safe_ids)
+    h = add_bias(linear(x, gather_rows(gate_up_proj, slots.safe_ids)), gate_up_bias, slots.safe_ids)
+    y = add_bias(linear(gate(activation, h, I), gather_rows(down_proj, slots.safe_ids)), down_bias, slots.safe_ids)
     return combine(y, slots, top_k_weights, hidden_states.dtype)
