@@ -14,8 +14,6 @@ import argparse
 import json
 import platform
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -24,21 +22,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from moe_shared import load_spec, relative_l2  # noqa: E402
 from moe_shared.vectors import load_cases  # noqa: E402
-from support import DIFF_ARGS, random_case  # noqa: E402
+from support import DIFF_ARGS, random_case, record_outcome  # noqa: E402
 
 SPEC = load_spec()
 CASES = load_cases()
 
 
-def _record(results, kind, name, fn):
-    start = time.perf_counter()
-    try:
-        detail = fn()
-        results.append({"kind": kind, "name": name, "ok": True, "detail": detail,
-                        "s": round(time.perf_counter() - start, 2)})
-    except Exception as err:  # recorded, not raised: one run collects every outcome
-        results.append({"kind": kind, "name": name, "ok": False, "detail": f"{type(err).__name__}: {err}"[:600],
-                        "trace": traceback.format_exc()[-1500:]})
+_record = record_outcome
 
 
 QUICK = False  # --quick: bfloat16/float32 vectors, the declared bfloat16 compile entries, one undeclared

@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and Dee
 
 from moe_shared import load_spec, reference, relative_l2, requirements  # noqa: E402
 from moe_shared.vectors import load_cases  # noqa: E402
-from support import padded_arrays, random_case  # noqa: E402
+from support import padded_arrays, random_case, record_outcome  # noqa: E402
 
 SPEC = load_spec()
 TOL = SPEC.tolerance_for("bfloat16")
@@ -42,13 +41,7 @@ def record(results, kind, name, fn, budget_s):
     if time.perf_counter() - STARTED > budget_s:
         results.append({"kind": kind, "name": name, "ok": False, "detail": "skipped: out of time"})
         return
-    start = time.perf_counter()
-    try:
-        results.append({"kind": kind, "name": name, "ok": True, "detail": fn(),
-                        "s": round(time.perf_counter() - start, 2)})
-    except Exception as err:  # recorded: one run collects every outcome
-        results.append({"kind": kind, "name": name, "ok": False, "detail": f"{type(err).__name__}: {err}"[:800],
-                        "trace": traceback.format_exc()[-2000:]})
+    record_outcome(results, kind, name, fn)
 
 
 def torch_run(arrays, activation, n_major=False):

@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 import zlib
 from pathlib import Path
 
@@ -34,7 +33,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from moe_shared import load_spec, relative_l2  # noqa: E402
 from moe_shared.kernels import plan as plans  # noqa: E402
 from moe_shared.vectors import load_cases  # noqa: E402
-from support import DIFF_ARGS, random_case  # noqa: E402
+from support import DIFF_ARGS, random_case, record_outcome  # noqa: E402
 
 SPEC = load_spec()
 CASES = load_cases()
@@ -42,14 +41,7 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8,
           "deepseek-v3": (7168, 2048, 256, 8)}
 
 
-def record(results, kind, name, fn):
-    start = time.perf_counter()
-    try:
-        results.append({"kind": kind, "name": name, "ok": True, "detail": fn(),
-                        "s": round(time.perf_counter() - start, 2)})
-    except Exception as err:  # recorded: one run collects every outcome
-        results.append({"kind": kind, "name": name, "ok": False, "detail": f"{type(err).__name__}: {err}"[:800],
-                        "trace": traceback.format_exc()[-2000:]})
+record = record_outcome
 
 
 # --- vectors ------------------------------------------------------------------------------------------------------
@@ -302,7 +294,6 @@ def _point(shape, T):
 def _callable(shape, T, mode):
     """The call the timing measures: the inference forward (sorted path, or the decode kernels), or the backward
     plan alone (from the residuals of one training forward)."""
-    import torch
     from moe_torch.backends import triton as backend
     (gate_up, down), (x, idx, w, dout) = _point(shape, T)
     problem = backend.problem_of(x, idx, gate_up, down, None, None, "silu")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import traceback
+
 import numpy as np
 
 from moe_shared import load_spec, relative_l2
@@ -107,3 +110,15 @@ def padded_arrays(arrays: dict, multiple: int) -> dict:
     if "down_bias" in arrays:
         out["down_bias"] = grow(arrays["down_bias"], 1, H2)
     return out
+
+
+def record_outcome(results: list, kind: str, name: str, fn) -> None:
+    """The device scripts' check runner: ``fn()``'s result, or its error and trace, appended to ``results`` (a run
+    collects every outcome instead of stopping at the first failure)."""
+    start = time.perf_counter()
+    try:
+        results.append({"kind": kind, "name": name, "ok": True, "detail": fn(),
+                        "s": round(time.perf_counter() - start, 2)})
+    except Exception as err:  # recorded, not raised
+        results.append({"kind": kind, "name": name, "ok": False, "detail": f"{type(err).__name__}: {err}"[:800],
+                        "trace": traceback.format_exc()[-2000:]})
