@@ -64,13 +64,7 @@ def _takes_callables(framework: str, backend: str) -> bool:
 
 # --- gates: the callable per framework and float64 NumPy forward and vjp; a slot-wise float64 reference ---------
 
-def _np_silu(g):
-    return g / (1.0 + np.exp(-g))
-
-
-def _np_silu_grad(g):
-    s = 1.0 / (1.0 + np.exp(-g))
-    return s * (1.0 + g * (1.0 - s))
+_np_silu, _np_silu_grad = reference.ACTIVATIONS["silu"]  # the float64 reference's own silu and its derivative
 
 
 def _torch_interleaved_swiglu(a):
@@ -358,12 +352,13 @@ def torch_results(problem: Problem, backend: str) -> dict[str, np.ndarray]:
     return results
 
 
-def check_torch_ids(problem: Problem, backend: str) -> None:
-    """Out-of-range ids raise when checked: with validate=True and by default (CPU tensors)."""
+def check_ids(problem: Problem, framework: str, backend: str) -> None:
+    """Out-of-range ids raise when checked: with validate=True and by default (host-visible CPU inputs)."""
+    module, inputs = {"torch": (moe_torch, torch_inputs), "jax": (moe_jax, jax_inputs)}[framework]
     for validate in (True, None):
         with pytest.raises(ValueError, match=_id_error(problem)):
-            moe_torch.experts_forward(**torch_inputs(problem), implementation=backend,
-                                      activation=problem.activation_for("torch"), validate=validate)
+            module.experts_forward(**inputs(problem), implementation=backend,
+                                   activation=problem.activation_for(framework), validate=validate)
 
 
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
@@ -380,7 +375,7 @@ def test_torch_backend_matches_the_reference(backend, params):
     if problem.activation in CUSTOM_GATES and not _takes_callables("torch", backend):
         return
     if problem.has_bad_ids:
-        check_torch_ids(problem, backend)
+        check_ids(problem, "torch", backend)
     check_close(problem, torch_results(problem, backend), problem.expected, f"torch {backend}")
 
 
@@ -416,14 +411,6 @@ def jax_results(problem: Problem, backend: str) -> dict[str, np.ndarray]:
     return {n: np.asarray(v.astype(jnp.float32), np.float64) for n, v in ({"out": out} | grads).items()}
 
 
-def check_jax_ids(problem: Problem, backend: str) -> None:
-    """Out-of-range ids raise when checked: with validate=True and by default (concrete CPU arrays)."""
-    for validate in (True, None):
-        with pytest.raises(ValueError, match=_id_error(problem)):
-            moe_jax.experts_forward(**jax_inputs(problem), implementation=backend,
-                                    activation=problem.activation_for("jax"), validate=validate)
-
-
 @pytest.mark.parametrize("backend", JAX_BACKENDS)
 @fuzz(JAX_EXAMPLES)
 @given(params=problem_params())
@@ -436,13 +423,13 @@ def test_jax_backend_matches_the_reference_and_torch(backend, params):
     if problem.activation in CUSTOM_GATES and not all(_takes_callables(fw, backend) for fw in frameworks):
         return
     if problem.has_bad_ids:
-        check_jax_ids(problem, backend)
+        check_ids(problem, "jax", backend)
     expected = problem.expected
     j = jax_results(problem, backend)
     check_close(problem, j, expected, f"jax {backend}")
     if in_torch:
         if problem.has_bad_ids:
-            check_torch_ids(problem, backend)
+            check_ids(problem, "torch", backend)
         t = torch_results(problem, backend)
         check_close(problem, t, expected, f"torch {backend}")
         check_close(problem, j, t, f"{backend}: jax vs torch")
