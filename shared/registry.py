@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 
-from .requirements import check_compute_capability
+from .requirements import check_compute_capability, install_command
 from .spec import FrameworkSupport, load_spec
 
 
@@ -83,10 +83,10 @@ class BackendRegistry(Mapping[str, Callable]):
         support = self.capability(name)
         if support is None:  # a user backend without a declared capability
             return
-        for package, extra in support.requires.packages.items():
+        for package in support.requires.packages:
             if not package_present(package):
                 raise ImportError(f"implementation {name!r} needs the package {package!r}: "
-                                  f"pip install 'moe-experts[{extra}]'")
+                                  f"{install_command(support.requires, package)}")
         try:
             if device_class not in support.devices:
                 raise RuntimeError(f"implementation {name!r} runs on {list(support.devices)}, got {where}")

@@ -141,6 +141,25 @@ def check_abi(backend: str, abi: Mapping) -> None:
                       f"{have or '(none)'}: {dist} {build} is {built_for}; {fix}")
 
 
+def install_command(requires: Requirements, package: str | None = None) -> str:
+    """The pip command(s) that install a backend's packages: its extra (``package``'s, or every one), then each
+    distribution pinned in ``requires.versions`` without its dependencies (their own pins conflict with ours)."""
+    extras = [requires.packages[package]] if package is not None else sorted(set(requires.packages.values()))
+    commands = [f"pip install 'moe-experts[{','.join(extras)}]'"] if extras else []
+    commands += [f"pip install --no-deps '{dist}=={allowed[-1]}'" for dist, allowed in requires.versions.items()]
+    return " && ".join(commands)
+
+
+def check_versions(backend: str, versions: Mapping[str, tuple[str, ...]], requires: Requirements) -> None:
+    """ImportError unless each distribution of ``versions`` is installed at one of its listed versions (a backend
+    that calls a package's internals runs only the versions it was verified with)."""
+    for dist, allowed in versions.items():
+        have = installed_version(dist)
+        if have not in allowed:
+            raise ImportError(f"implementation {backend!r} needs {dist} {' or '.join(allowed)}, got "
+                              f"{have or 'none installed'}: {install_command(requires)}")
+
+
 def check_scales(backend: str, rules: Mapping[str, list], compute_capability: tuple[int, int], scales: str) -> None:
     """ValueError unless quantized experts' ``scales`` format is one ``rules`` (minimum compute capability -> scale
     formats the kernels read) allows on this device: float32 scales on Blackwell must not run."""
@@ -155,7 +174,7 @@ def import_required(backend: str, requires: Requirements, package: str) -> Modul
         return importlib.import_module(package)
     except ImportError as err:
         raise ImportError(f"implementation {backend!r} needs the package {package!r}: "
-                          f"pip install 'moe-experts[{requires.packages[package]}]' ({err})") from err
+                          f"{install_command(requires, package)} ({err})") from err
 
 
 def load_cuda_package(backend: str, requires: Requirements, package: str, compute_capability: tuple[int, int],
@@ -168,6 +187,7 @@ def load_cuda_package(backend: str, requires: Requirements, package: str, comput
         check_compute_capability(backend, requires.compute_capability, compute_capability, where)
         if requires.abi is not None:
             check_abi(backend, requires.abi)
+        check_versions(backend, requires.versions, requires)
         if requires.nvcc:
             check_toolkit(backend, requires.nvcc, compute_capability)
         _LOADED[key] = import_required(backend, requires, package)

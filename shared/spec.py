@@ -29,6 +29,7 @@ class Requirements:
     compute_capability: tuple[int, int] | None = None
     nvcc: Mapping[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # min CC -> min nvcc version
     abi: Mapping[str, Any] | None = None  # distribution, package, framework, builds: {version: [framework versions]}
+    versions: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # distribution -> the versions that work
     other: Mapping[str, str] = field(default_factory=dict)  # what else a backend needs, described (checked there)
 
 
@@ -120,7 +121,7 @@ class Spec:
 _KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit", "activations", "training",
                        "multiples"}
 _BACKEND_KEYS = {"description", "data_dependent", *FRAMEWORKS}
-_CHECKED_REQUIREMENTS = {"packages", "compute_capability", "nvcc", "abi"}
+_CHECKED_REQUIREMENTS = {"packages", "compute_capability", "nvcc", "abi", "versions"}
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -144,6 +145,7 @@ def _requirements(req: Mapping[str, Any], distributions: Mapping[str, Any]) -> R
         compute_capability=tuple(cc) if cc is not None else None,
         nvcc=MappingProxyType({version_tuple(c): tuple(v) for c, v in req.get("nvcc", {}).items()}),
         abi=MappingProxyType({"distribution": req["abi"]} | distributions[req["abi"]]) if "abi" in req else None,
+        versions=MappingProxyType({d: tuple(v) for d, v in req.get("versions", {}).items()}),
         other=MappingProxyType({k: v for k, v in req.items() if k not in _CHECKED_REQUIREMENTS}),
     )
 

@@ -112,6 +112,22 @@ def padded_arrays(arrays: dict, multiple: int) -> dict:
     return out
 
 
+def unpadded_gradients(grads: dict, H: int, I: int) -> dict:
+    """Gradients (by argument name) of a problem zero-padded by ``padded_arrays``, cut back to H and I."""
+    I2 = grads["down_proj"].shape[2]
+
+    def gate_up(a, axis):
+        return np.concatenate([np.take(a, range(I), axis=axis), np.take(a, range(I2, I2 + I), axis=axis)], axis)
+
+    out = dict(grads, hidden_states=grads["hidden_states"][:, :H],
+               gate_up_proj=gate_up(grads["gate_up_proj"], 1)[:, :, :H], down_proj=grads["down_proj"][:, :H, :I])
+    if "gate_up_bias" in grads:
+        out["gate_up_bias"] = gate_up(grads["gate_up_bias"], 1)
+    if "down_bias" in grads:
+        out["down_bias"] = grads["down_bias"][:, :H]
+    return out
+
+
 def record_outcome(results: list, kind: str, name: str, fn) -> None:
     """The device scripts' check runner: ``fn()``'s result, or its error and trace, appended to ``results`` (a run
     collects every outcome instead of stopping at the first failure)."""

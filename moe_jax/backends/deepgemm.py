@@ -12,7 +12,6 @@ torch is imported by this backend alone, at its first call. Works under ``jax.ji
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 from types import ModuleType
 
@@ -25,6 +24,7 @@ from moe_shared.contiguous_layout import check_alignment, padded_rows
 from moe_shared.contract import check_multiples
 from moe_shared.spec import version_tuple
 
+from .. import torch_bridge
 from ..base import Slots, combine, device_class, platform_of
 
 NAME = "deepgemm"
@@ -73,22 +73,13 @@ class Layout:
             jnp.where(valid, ids, -1), mode="drop")
 
 
-def _stream(torch, ctx, buffer):
-    """torch's current stream set to XLA's for a CUDA buffer (none on the host)."""
-    kind, index = buffer.__dlpack_device__()
-    if kind != 2:  # DLPack's kDLCUDA
-        return contextlib.nullcontext()
-    return torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=torch.device("cuda", index)))
-
-
 def _gemm_callback(module: ModuleType, activation: str | None, intermediate: int):
     """The buffer callback (ctx, out, a, w, grouped_layout[, bias]) of one GEMM: ``out`` = a @ w[e].T per row
     (+ bias[e]), through act(g) * u when ``activation`` names one."""
 
     def callback(ctx, out, a, w, grouped_layout, *bias):
-        import torch
-
-        with _stream(torch, ctx, out):
+        torch = torch_bridge.torch_module()
+        with torch_bridge.on_xla_stream(ctx, out):
             out, a, w, grouped_layout, *bias = (torch.from_dlpack(b) for b in (out, a, w, grouped_layout, *bias))
             d = out if activation is None else a.new_empty(a.shape[0], w.shape[1])
             getattr(module, KERNEL)(a, w, d, grouped_layout)

@@ -1,0 +1,158 @@
+"""sonicmoe: SonicMoE's CuTe DSL grouped GEMMs (PyPI sonic-moe with quack-kernels), forward and backward.
+
+Runs ``moe_shared.sonic_steps`` (the composition of SonicMoE's kernel steps that moe_jax's ``sonicmoe`` runs too)
+on buffers allocated here: routing metadata on the device, the gate/up GEMM with the token gather and SwiGLU fused,
+the down GEMM, a per-token weighted sum; the backward gives the gradients of the hidden states, the routing weights,
+both weight tensors and the biases. The weights are read as stored (``gate_up_proj`` [E, 2I, H] is SonicMoE's
+concatenated layout): no per-call weight copy. The forward and backward are custom ops with fake implementations,
+so ``torch.compile(fullgraph=True)`` takes them as opaque ops (SonicMoE's own layer functions refuse to be
+compiled). quack autotunes and compiles its GEMMs at the first call of each shape (seconds to tens of seconds).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from moe_shared import load_spec, requirements, sonic_steps
+from moe_shared.contract import check_multiples
+
+from ..base import dtype_name
+
+NAME = "sonicmoe"
+PACKAGE = "sonicmoe"
+SUPPORT = load_spec().backends[NAME].support("torch")
+
+_DTYPES = {sonic_steps.FLOAT32: torch.float32, sonic_steps.INT32: torch.int32}
+_READY: dict[torch.device, SimpleNamespace] = {}
+
+
+def runtime(device: torch.device) -> SimpleNamespace:
+    """SonicMoE's step functions, once every requirement holds for ``device`` (the first call raises what is
+    missing: RuntimeError for the device, ImportError for the packages)."""
+    if device not in _READY:
+        if device.type != "cuda":
+            raise RuntimeError(f"implementation {NAME!r} runs on {list(SUPPORT.devices)}, got a tensor on {device}")
+        requirements.load_cuda_package(NAME, SUPPORT.requires, PACKAGE, torch.cuda.get_device_capability(device),
+                                       f"a tensor on {device}")
+        _READY[device] = sonic_steps.load_steps(SUPPORT.details["kernels"])
+    return _READY[device]
+
+
+def _allocate(buffers, weights_dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    dtypes = _DTYPES | {sonic_steps.WEIGHTS: weights_dtype}
+    return {b.name: torch.empty(b.shape, dtype=dtypes[b.dtype], device=device) for b in buffers}
+
+
+def _forward_buffers(x, ids, down, training: bool):
+    E, H, I = down.shape
+    return sonic_steps.forward_buffers(x.shape[0], H, I, E, ids.shape[1], training)
+
+
+def _forward(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, training) -> dict[str, torch.Tensor]:
+    buffers = _allocate(_forward_buffers(x, ids, down, training), gate_up.dtype, x.device)
+    sonic_steps.forward(runtime(x.device), x, ids, w, gate_up, down, gate_up_bias, down_bias, buffers, activation)
+    return buffers
+
+
+@torch.library.custom_op("moe_torch::sonicmoe_experts", mutates_args=())
+def sonicmoe_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                     activation: str) -> torch.Tensor:
+    """The inference forward: [T, H] in the weights' dtype."""
+    return _forward(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, training=False)["out"]
+
+
+@sonicmoe_experts.register_fake
+def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+    return x.new_empty(x.shape[0], down.shape[1])
+
+
+@torch.library.custom_op("moe_torch::sonicmoe_experts_train", mutates_args=())
+def sonicmoe_experts_train(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                           down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                           activation: str) -> list[torch.Tensor]:
+    """The training forward: the output, then the residuals the backward reads (``sonic_steps.RESIDUALS``)."""
+    buffers = _forward(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, training=True)
+    return [buffers["out"]] + [buffers[n] for n in sonic_steps.RESIDUALS]
+
+
+def _fakes(buffers, names, weights_dtype, device):
+    dtypes = _DTYPES | {sonic_steps.WEIGHTS: weights_dtype}
+    found = {b.name: b for b in buffers}
+    return [torch.empty(found[n].shape, dtype=dtypes[found[n].dtype], device=device) for n in names if n in found]
+
+
+@sonicmoe_experts_train.register_fake
+def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+    return _fakes(_forward_buffers(x, ids, down, True), ("out",) + sonic_steps.RESIDUALS, gate_up.dtype, x.device)
+
+
+def _backward_buffers(x, ids, down, gate_up_bias, down_bias):
+    E, H, I = down.shape
+    return sonic_steps.backward_buffers(x.shape[0], H, I, E, ids.shape[1], gate_up_bias is not None,
+                                        down_bias is not None)
+
+
+@torch.library.custom_op("moe_torch::sonicmoe_experts_backward", mutates_args=())
+def sonicmoe_experts_backward(dout: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                              down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                              residuals: list[torch.Tensor], activation: str) -> list[torch.Tensor]:
+    """The gradients of ``sonic_steps.GRADIENTS`` (biases only when present)."""
+    buffers = _allocate(_backward_buffers(x, ids, down, gate_up_bias, down_bias), gate_up.dtype, x.device)
+    sonic_steps.backward(runtime(x.device), dout.to(gate_up.dtype).contiguous(), x, ids, gate_up, down, gate_up_bias,
+                         down_bias, dict(zip(sonic_steps.RESIDUALS, residuals)), buffers, activation)
+    return [buffers[n] for n in sonic_steps.GRADIENTS if n in buffers]
+
+
+@sonicmoe_experts_backward.register_fake
+def _(dout, x, ids, gate_up, down, gate_up_bias, down_bias, residuals, activation):
+    return _fakes(_backward_buffers(x, ids, down, gate_up_bias, down_bias), sonic_steps.GRADIENTS, gate_up.dtype,
+                  x.device)
+
+
+def _setup_context(ctx, inputs, output):
+    x, ids, w, gate_up, down, gate_up_bias, down_bias, activation = inputs
+    ctx.activation = activation
+    ctx.has_bias = (gate_up_bias is not None, down_bias is not None)
+    ctx.w = (w.shape, w.dtype)
+    ctx.save_for_backward(x, ids, gate_up, down, gate_up_bias, down_bias, *output[1:])
+
+
+def _backward(ctx, grads):
+    x, ids, gate_up, down, gate_up_bias, down_bias, *residuals = ctx.saved_tensors
+    dx, d_scores, d_gate_up, d_down, *bias_grads = sonicmoe_experts_backward(
+        grads[0], x, ids, gate_up, down, gate_up_bias, down_bias, residuals, ctx.activation)
+    d_gate_up_bias = bias_grads.pop(0) if ctx.has_bias[0] else None
+    d_down_bias = bias_grads.pop(0) if ctx.has_bias[1] else None
+    shape, dtype = ctx.w
+    return dx, None, d_scores.view(shape).to(dtype), d_gate_up, d_down, d_gate_up_bias, d_down_bias, None
+
+
+sonicmoe_experts_train.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_inputs(gate_up_proj, down_proj, activation) -> None:
+    """What SonicMoE's kernels cannot take raises ValueError before any work: the activation, the weights' dtype,
+    H and I (multiples of 8)."""
+    SUPPORT.check_activation(NAME, activation)
+    SUPPORT.check_dtype(NAME, dtype_name(gate_up_proj.dtype))
+    check_multiples(NAME, SUPPORT.multiples, {"gate_up_proj": tuple(gate_up_proj.shape),
+                                              "down_proj": tuple(down_proj.shape)})
+
+
+def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
+                    activation="silu", gate_up_bias=None, down_bias=None):
+    check_inputs(gate_up_proj, down_proj, activation)
+    if not torch.compiler.is_compiling():  # compiled, the custom op checks when it first runs
+        runtime(gate_up_proj.device)
+    args = (hidden_states.to(gate_up_proj.dtype).contiguous(), top_k_index, top_k_weights,
+            gate_up_proj.contiguous(), down_proj.contiguous(),
+            None if gate_up_bias is None else gate_up_bias.contiguous(),
+            None if down_bias is None else down_bias.contiguous())
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
+        return sonicmoe_experts_train(*args, activation)[0].to(hidden_states.dtype)
+    if torch.compiler.is_compiling():
+        return sonicmoe_experts(*args, activation).to(hidden_states.dtype)
+    return _forward(*args, activation, training=False)["out"].to(hidden_states.dtype)

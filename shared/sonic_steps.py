@@ -1,0 +1,128 @@
+"""SonicMoE's kernel steps composed for the experts contract, written once for both frameworks.
+
+moe_torch's and moe_jax's ``sonicmoe`` backends both run ``forward`` and ``backward`` below on torch tensors (moe_jax
+on zero-copy views of XLA's buffers, on XLA's stream), with every buffer allocated by the caller from the tables of
+``forward_buffers`` / ``backward_buffers``. So both frameworks launch the same SonicMoE kernels with the same
+arguments on the same memory layout, and get the same bits. This module imports neither framework: it only calls
+methods of the tensors it is given and the step functions of ``load_steps`` (SonicMoE's, which import torch).
+
+The steps are those of SonicMoE's fixed-top-k layer (``sonicmoe.functional``): the routing metadata (slots grouped
+by expert, on the device, no host sync), the gate/up grouped GEMM with the token gather and the gated activation
+fused, the down grouped GEMM, and a per-token weighted sum over the k slots (no atomics). The weights are passed as
+they are stored, as strided views: ``gate_up_proj`` [E, 2I, H] is SonicMoE's concatenated ``w1`` (2I, H, E),
+``down_proj`` [E, H, I] its ``w2`` (H, I, E).
+
+Empty slots (-1) and out-of-range ids never reach the kernels: such a slot is routed to expert 0 with the routing
+weight 0, so it adds 0 * (a finite expert output) = exactly zero to its token, exactly zero to every weight gradient
+(its activation gradient is scaled by that 0), and its routing-weight gradient is set to zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+WEIGHTS = "weights"  # dtype role: the experts' dtype
+FLOAT32 = "float32"
+INT32 = "int32"
+
+ACTIVATIONS = {"silu": "swiglu"}
+"""The contract's activation -> SonicMoE's gated activation. Its GeGLU uses the tanh form of GELU (the contract's
+is the erf form) and its gated GEMM has no ReGLU, so only silu maps."""
+
+RESIDUALS = ("scores", "offsets", "x_gather", "s_scatter", "s_reverse", "preact")
+"""Forward buffers the backward reads."""
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # WEIGHTS, FLOAT32 or INT32
+
+
+def forward_buffers(T: int, H: int, I: int, E: int, k: int, training: bool) -> tuple[Buffer, ...]:
+    """Every buffer the forward writes: ``out`` [T, H] first, then the residuals (training), then scratch."""
+    S = T * k
+    residuals = (Buffer("scores", (S,), FLOAT32), Buffer("offsets", (E + 1,), INT32),
+                 Buffer("x_gather", (S,), INT32), Buffer("s_scatter", (S,), INT32), Buffer("s_reverse", (S,), INT32))
+    preact = (Buffer("preact", (S, 2 * I), WEIGHTS),) if training else ()
+    scratch = (Buffer("expert_ids", (T, k), INT32), Buffer("frequency", (E,), INT32),
+               Buffer("postact", (S, I), WEIGHTS), Buffer("slot_out", (S, H), WEIGHTS))
+    return (Buffer("out", (T, H), WEIGHTS),) + residuals + preact + scratch
+
+
+GRADIENTS = ("dx", "d_scores", "d_gate_up", "d_down", "d_gate_up_bias", "d_down_bias")
+
+
+def backward_buffers(T: int, H: int, I: int, E: int, k: int, gate_up_bias: bool,
+                     down_bias: bool) -> tuple[Buffer, ...]:
+    """Every buffer the backward writes: the gradients (``GRADIENTS`` order, biases only when present; the
+    routing-weight gradient ``d_scores`` [T*k] in float32), then scratch."""
+    S = T * k
+    grads = (Buffer("dx", (T, H), WEIGHTS), Buffer("d_scores", (S,), FLOAT32), Buffer("d_gate_up", (E, 2 * I, H), WEIGHTS),
+             Buffer("d_down", (E, H, I), WEIGHTS))
+    grads += (Buffer("d_gate_up_bias", (E, 2 * I), WEIGHTS),) if gate_up_bias else ()
+    grads += (Buffer("d_down_bias", (E, H), WEIGHTS),) if down_bias else ()
+    scratch = (Buffer("d_preact", (S, 2 * I), WEIGHTS), Buffer("postact", (S, I), WEIGHTS),
+               Buffer("dx_slots", (S, H), WEIGHTS))
+    return grads + scratch
+
+
+def load_steps(kernels: Mapping[str, str]) -> SimpleNamespace:
+    """The step functions named in the spec (``step = "module:function"``), imported."""
+    found = {}
+    for step, where in kernels.items():
+        module, _, function = where.partition(":")
+        found[step] = getattr(importlib.import_module(module), function)
+    return SimpleNamespace(**found)
+
+
+def _valid(ids, E: int):
+    return (ids >= 0) & (ids < E)
+
+
+def forward(steps, x, ids, w, gate_up, down, gate_up_bias, down_bias, buffers: Mapping, activation: str) -> None:
+    """Fill ``buffers`` (from ``forward_buffers``; ``preact`` present when training). x [T, H] contiguous in the
+    weights' dtype, ids and w [T, k], weights as stored ([E, 2I, H] and [E, H, I], contiguous)."""
+    T, k = ids.shape
+    E, H, _ = down.shape
+    if T == 0:
+        return
+    valid = _valid(ids, E)
+    buffers["expert_ids"].copy_(ids.where(valid, 0))
+    buffers["scores"].copy_(w.where(valid, 0).reshape(-1))
+    steps.routing(buffers["expert_ids"], E, buffers["frequency"], buffers["offsets"], buffers["x_gather"],
+                  buffers["s_scatter"], buffers["s_reverse"])
+    preact = buffers.get("preact")
+    steps.up(x, gate_up.permute(1, 2, 0), preact, buffers["postact"], gate_up_bias, buffers["offsets"],
+             buffers["x_gather"], ACTIVATIONS[activation], preact is None, True)
+    steps.down(down.permute(1, 2, 0), buffers["postact"], buffers["slot_out"], down_bias, buffers["offsets"])
+    steps.combine(buffers["slot_out"], buffers["out"], buffers["scores"], buffers["s_reverse"], None, k, H, False)
+
+
+def backward(steps, dout, x, ids, gate_up, down, gate_up_bias, down_bias, residuals: Mapping, buffers: Mapping,
+             activation: str) -> None:
+    """Fill ``buffers`` (from ``backward_buffers``) with the gradients for ``dout`` [T, H] (contiguous, the weights'
+    dtype), from the forward's ``residuals``."""
+    T, k = ids.shape
+    E, H, _ = down.shape
+    if T == 0:
+        for name in GRADIENTS:
+            if name in buffers:
+                buffers[name].zero_()
+        return
+    w1, w2 = gate_up.permute(1, 2, 0), down.permute(1, 2, 0)
+    offsets, x_gather = residuals["offsets"], residuals["x_gather"]
+    steps.down_backward(dout, residuals["preact"], w2, buffers["d_preact"], buffers["d_scores"], down_bias,
+                        buffers.get("d_down_bias"), buffers["postact"], residuals["scores"], offsets, x_gather,
+                        residuals["s_scatter"], ACTIVATIONS[activation])
+    steps.down_backward_weight(dout, buffers["postact"], buffers["d_down"].permute(1, 2, 0), offsets, x_gather)
+    steps.up_backward(w1, buffers["dx_slots"], buffers["d_preact"], buffers.get("d_gate_up_bias"), offsets, True,
+                      True)
+    steps.up_backward_weight(x, buffers["d_gate_up"].permute(1, 2, 0), buffers["d_preact"], offsets, x_gather, True,
+                             True)
+    steps.token_sum(buffers["dx"], buffers["dx_slots"], residuals["s_reverse"], None, k, H, False)
+    buffers["d_scores"].masked_fill_(~_valid(ids, E).reshape(-1), 0)

@@ -1,0 +1,256 @@
+"""Backend ``sonicmoe`` on the GPU (run on the lent H200; not collected by pytest):
+
+    python tests/device_sonicmoe_check.py --out DIR [--parts correctness,compile] [--budget-s 300]
+
+Correctness, forward and every gradient, in torch and in JAX: every bf16 SwiGLU shared vector, zero-padded to H and
+I multiples of 8 (the same problem; the gelu and relu vectors must raise ValueError), and random problems (T = 1,
+64, 300, 2048; -1 slots, out-of-range ids, idle experts, biases) against the float64 reference within the spec's
+tolerance; torch and JAX bit-identical; two torch runs bit-identical; idle experts' weight gradients exactly zero;
+our output next to SonicMoE's own layer function (``moe_general_routing_inputs``) on the same routing.
+Compile: torch.compile(fullgraph=True) in the spec's modes for inference and training (reduce-overhead and a
+torch.cuda.graph capture probed and reported, not claimed). Writes ``DIR/sonicmoe.json`` and prints a summary.
+quack autotunes each GEMM at the first call of a shape: the first checks take the longest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and SonicMoE allocate beside XLA
+
+from moe_shared import load_spec, reference, relative_l2, requirements  # noqa: E402
+from moe_shared.vectors import load_cases  # noqa: E402
+from support import DIFF_ARGS, padded_arrays, random_case, record_outcome, unpadded_gradients  # noqa: E402
+
+SPEC = load_spec()
+TOL = SPEC.tolerance_for("bfloat16")
+STARTED = time.perf_counter()
+RANDOM = [(1, 4, False), (64, 8, True), (300, 8, True), (2048, 16, False)]  # T, E, bias (H=256, I=128, k=2)
+
+
+def record(results, kind, name, fn, budget_s):
+    if time.perf_counter() - STARTED > budget_s:
+        results.append({"kind": kind, "name": name, "ok": False, "detail": "skipped: out of time"})
+        return
+    record_outcome(results, kind, name, fn)
+
+
+def torch_inputs(arrays, requires_grad):
+    import torch
+    return {n: torch.from_numpy(np.ascontiguousarray(a)).cuda() if n == "top_k_index" else
+            torch.from_numpy(np.ascontiguousarray(a)).cuda().to(torch.bfloat16).requires_grad_(requires_grad)
+            for n, a in arrays.items()}
+
+
+def torch_run(arrays, grad_output):
+    import torch
+    import moe_torch
+    ts = torch_inputs(arrays, True)
+    out = moe_torch.experts_forward(**ts, implementation="sonicmoe", validate=False)
+    out.backward(torch.from_numpy(grad_output).cuda().to(torch.bfloat16))
+    with torch.no_grad():
+        inference = moe_torch.experts_forward(**ts, implementation="sonicmoe", validate=False)
+    return ({"out": out.detach().float().cpu().numpy()} |
+            {n: ts[n].grad.float().cpu().numpy() for n in DIFF_ARGS if n in ts},
+            inference.float().cpu().numpy())
+
+
+def jax_run(arrays, grad_output):
+    import jax
+    import jax.numpy as jnp
+    import moe_jax
+    js = {n: jnp.asarray(a) if n == "top_k_index" else jnp.asarray(a).astype(jnp.bfloat16) for n, a in arrays.items()}
+    names = [n for n in DIFF_ARGS if n in js]
+
+    def f(*diff):
+        return moe_jax.experts_forward(**(js | dict(zip(names, diff))), implementation="sonicmoe", validate=False)
+
+    out, vjp = jax.jit(lambda *d: jax.vjp(f, *d))(*(js[n] for n in names))
+    grads = jax.jit(vjp)(jnp.asarray(grad_output).astype(jnp.bfloat16))
+    inference = jax.jit(lambda v: moe_jax.experts_forward(**v, implementation="sonicmoe", validate=False))(js)
+    to_np = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    return {"out": to_np(out)} | {n: to_np(g) for n, g in zip(names, grads)}, to_np(inference)
+
+
+def check(arrays, grad_output, expected: dict, cut=lambda r: r):
+    """Forward and gradients of torch and JAX against ``expected`` ("out" and argument names); bit-identical to
+    each other, the inference forward to the training one, and torch from run to run."""
+    (ours, ours_inf), (again, _), (theirs, theirs_inf) = (torch_run(arrays, grad_output),
+                                                          torch_run(arrays, grad_output), jax_run(arrays, grad_output))
+    ours, again, theirs = cut(ours), cut(again), cut(theirs)
+    errs = {f"{fw} {n}": relative_l2(r[n], expected[n]) for fw, r in (("torch", ours), ("jax", theirs)) for n in r}
+    identical = {n: bool(np.array_equal(ours[n], theirs[n])) for n in ours}
+    detail = {"max_rel_l2": max(errs.values()), "worst": max(errs, key=errs.get),
+              "torch_jax_identical": all(identical.values()),
+              "repeat_identical": all(np.array_equal(ours[n], again[n]) for n in ours),
+              "inference_identical": bool(np.array_equal(cut({"out": ours_inf})["out"], ours["out"])
+                                          and np.array_equal(theirs_inf, ours_inf))}
+    if detail["max_rel_l2"] > TOL or not (detail["repeat_identical"] and detail["torch_jax_identical"]):
+        raise AssertionError(detail | {"errors": errs, "identical": identical})
+    return detail
+
+
+def check_vector(case):
+    import moe_torch
+    E, H, I = case.inputs["down_proj"].shape
+    expected = {"out": case.expected["out"]} | {n: case.expected[f"grad_{n}"] for n in DIFF_ARGS
+                                                if f"grad_{n}" in case.expected}
+    if case.activation != "silu":
+        try:
+            moe_torch.experts_forward(**torch_inputs(case.inputs, False), implementation="sonicmoe",
+                                      activation=case.activation)
+        except ValueError as err:
+            return {"refused": str(err)}
+        raise AssertionError(f"activation {case.activation} did not raise")
+    padded = padded_arrays(case.inputs, 8)
+    H2 = padded["down_proj"].shape[1]
+    grad_output = np.pad(case.grad_output, [(0, 0), (0, H2 - H)])
+
+    def cut(r):
+        grads = unpadded_gradients({n: v for n, v in r.items() if n != "out"}, H, I) if len(r) > 1 else {}
+        return {"out": r["out"][:, :H]} | grads
+
+    return check(padded, grad_output, expected, cut) | {"padded_to": [H2, padded["down_proj"].shape[2]]}
+
+
+def check_random(T, E, bias):
+    arrays, grad_output = random_case(T + E, T=T, H=256, I=128, E=E, k=2, bias=bias, empty_fraction=0.1)
+    idle = E // 2
+    if T > 1:
+        arrays["top_k_index"] = np.where(arrays["top_k_index"] == idle, -1, arrays["top_k_index"])  # idle expert
+        arrays["top_k_index"][::11, 1] = E + 3  # unchecked out-of-range ids: empty slots
+    cleaned = dict(arrays, top_k_index=np.where(arrays["top_k_index"] >= E, -1, arrays["top_k_index"]))
+    expected = {"out": reference.experts_forward(**cleaned)} | reference.experts_backward(**cleaned,
+                                                                                          grad_output=grad_output)
+    detail = check(arrays, grad_output, expected)
+    if T == 1:
+        return detail
+    grads, _ = torch_run(arrays, grad_output)
+    detail["idle_expert_grads_zero"] = bool(not grads["gate_up_proj"][idle].any() and
+                                            not grads["down_proj"][idle].any())
+    if not detail["idle_expert_grads_zero"]:
+        raise AssertionError(detail)
+    return detail
+
+
+def upstream():
+    """Our forward against SonicMoE's own ``moe_general_routing_inputs`` on the same routing (k=2, no empty slots)."""
+    import torch
+    import moe_torch
+    import sonicmoe
+    from sonicmoe.enums import ActivationType
+    arrays, _ = random_case(5, T=512, H=512, I=256, E=8, k=2, bias=False)
+    ts = torch_inputs(arrays, False)
+    with torch.no_grad():
+        ours = moe_torch.experts_forward(**ts, implementation="sonicmoe")
+        T, k = ts["top_k_index"].shape
+        token = torch.arange(T * k, device="cuda", dtype=torch.int32) // k
+        theirs, _ = sonicmoe.moe_general_routing_inputs(
+            ts["hidden_states"], ts["top_k_weights"].float().reshape(-1), token,
+            ts["top_k_index"].reshape(-1).to(torch.int32), ts["gate_up_proj"].permute(1, 2, 0), None,
+            ts["down_proj"].permute(1, 2, 0), None, 8, torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU,
+            is_inference_mode_enabled=True, concat_layout=True)
+    ours, theirs = ours.float().cpu().numpy(), theirs.float().cpu().numpy()
+    expected = reference.experts_forward(**arrays)
+    return {"ours_vs_theirs_rel_l2": relative_l2(ours, theirs.astype(np.float64)),
+            "identical": bool(np.array_equal(ours, theirs)), "ours_rel_l2": relative_l2(ours, expected),
+            "theirs_rel_l2": relative_l2(theirs, expected)}
+
+
+def correctness(results, budget_s):
+    for case in load_cases():
+        if case.dtype == "bfloat16":
+            record(results, "vector", case.name, lambda c=case: check_vector(c), budget_s)
+    for T, E, bias in RANDOM:
+        record(results, "random", f"T={T} E={E} bias={bias}", lambda t=T, e=E, b=bias: check_random(t, e, b),
+               budget_s)
+    record(results, "upstream", "moe_general_routing_inputs", upstream, budget_s)
+
+
+def compiled(results, budget_s):
+    import torch
+    import moe_torch
+    arrays, grad_output = random_case(8, T=256, H=512, I=256, E=8, k=2, bias=True, empty_fraction=0.1)
+    dout = torch.from_numpy(grad_output).cuda().to(torch.bfloat16)
+
+    def eager(training):
+        ts = torch_inputs(arrays, training)
+        with torch.set_grad_enabled(training):
+            out = moe_torch.experts_forward(**ts, implementation="sonicmoe")
+        if training:
+            out.backward(dout)
+        return out.detach(), [ts[n].grad for n in DIFF_ARGS if n in ts and training]
+
+    def run(mode, training):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="sonicmoe"), fullgraph=True,
+                           mode=None if mode == "default" else mode)
+        for _ in range(3):  # cudagraph modes record on a later call
+            ts = torch_inputs(arrays, training)
+            with torch.set_grad_enabled(training):
+                out = fn(**ts)
+            if training:
+                out.backward(dout)
+        want, want_grads = eager(training)
+        grads = [ts[n].grad for n in DIFF_ARGS if n in ts and training]
+        same = bool(torch.equal(out.detach(), want)) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+        if not same:
+            raise AssertionError("compiled result differs from eager")
+        return {"identical_to_eager": same}
+
+    claimed = SPEC.backends["sonicmoe"].support("torch").compile.modes
+    for mode in ("default", "max-autotune-no-cudagraphs", "reduce-overhead"):
+        for training in (False, True):
+            kind = "compile" if mode in claimed else "compile-probe"
+            record(results, kind, f"{mode} {'training' if training else 'inference'}",
+                   lambda m=mode, t=training: run(m, t), budget_s)
+
+    def graph():
+        ts = torch_inputs(arrays, False)
+        with torch.no_grad():
+            want = moe_torch.experts_forward(**ts, implementation="sonicmoe")
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = moe_torch.experts_forward(**ts, implementation="sonicmoe")
+            g.replay()
+            torch.cuda.synchronize()
+        return {"identical": bool(torch.equal(out, want))}
+
+    record(results, "compile-probe", "torch.cuda.graph capture (inference)", graph, budget_s)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--parts", default="correctness,compile")
+    p.add_argument("--budget-s", type=float, default=300, help="later checks are skipped (and recorded) after this")
+    args = p.parse_args()
+    import jax
+    import torch
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "jax": jax.__version__,
+            **{d: requirements.installed_version(d) for d in ("sonic-moe", "quack-kernels", "nvidia-cutlass-dsl",
+                                                              "apache-tvm-ffi", "torch-c-dlpack-ext", "triton")},
+            "device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability()}
+    results = []
+    parts = {"correctness": correctness, "compile": compiled}
+    for part in args.parts.split(","):
+        parts[part](results, args.budget_s)
+    meta["seconds"] = round(time.perf_counter() - STARTED, 1)
+    (args.out / "sonicmoe.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    print(json.dumps(meta, default=str))
+    print(f"checks: {sum(r['ok'] for r in results)} passed, {sum(not r['ok'] for r in results)} failed")
+    for r in results:
+        print("OK  " if r["ok"] else "FAIL", r["kind"], r["name"], f"{r.get('s', '')}s", str(r["detail"])[:300])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Backend ``sonicmoe`` (torch, JAX) on CPU: every requirement error with the GPU or the packages absent or faked,
+and both bindings end to end (forward and every gradient, torch.compile, jax.jit, empty and out-of-range slots,
+T = 0) with SonicMoE's kernel steps replaced by the plain-torch steps of ``fake_sonicmoe``. On the GPU, with the
+real kernels: tests/device_sonicmoe_check.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import fake_sonicmoe
+import moe_jax
+import moe_torch
+from moe_jax.backends import sonicmoe as jax_sonic
+from moe_shared import reference, registry, relative_l2, requirements, sonic_steps
+from moe_torch.backends import sonicmoe as torch_sonic
+from support import CASES, DIFF_ARGS, SPEC, case_id, padded_arrays, random_case, unpadded_gradients
+
+SUPPORT = SPEC.backends["sonicmoe"].support("torch")
+TOL = SPEC.tolerance_for("bfloat16")
+
+
+def to_torch(arrays, requires_grad=False):
+    return {n: torch.from_numpy(np.ascontiguousarray(a)) if n == "top_k_index" else
+            torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16).requires_grad_(requires_grad)
+            for n, a in arrays.items()}
+
+
+def to_jax(arrays):
+    return {n: jnp.asarray(a) if n == "top_k_index" else jnp.asarray(a).astype(jnp.bfloat16)
+            for n, a in arrays.items()}
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The fake steps in both bindings; ``calls`` lists the steps that ran, in order."""
+    calls = []
+    recorded = {name: (lambda f, n: lambda *a: (calls.append(n), f(*a))[1])(f, name)
+                for name, f in vars(fake_sonicmoe.steps()).items()}
+    steps = SimpleNamespace(**recorded)
+    monkeypatch.setattr(torch_sonic, "runtime", lambda device: steps)
+    monkeypatch.setattr(jax_sonic, "runtime", lambda platform: steps)
+    return calls
+
+
+def torch_run(arrays, grad_output):
+    ts = to_torch(arrays, requires_grad=True)
+    out = torch_sonic.experts_forward(**ts)
+    out.backward(torch.from_numpy(grad_output).to(torch.bfloat16))
+    grads = {n: ts[n].grad.float().numpy() for n in DIFF_ARGS if n in ts}
+    return out.detach().float().numpy(), grads
+
+
+def jax_run(arrays, grad_output):
+    js = to_jax(arrays)
+    names = [n for n in DIFF_ARGS if n in js]
+
+    def f(*diff):
+        return jax_sonic.experts_forward(**(js | dict(zip(names, diff))))
+
+    out, vjp = jax.jit(lambda *d: jax.vjp(f, *d))(*(js[n] for n in names))
+    grads = vjp(jnp.asarray(grad_output).astype(jnp.bfloat16))
+    return (np.asarray(out.astype(jnp.float32)),
+            {n: np.asarray(g.astype(jnp.float32)) for n, g in zip(names, grads)})
+
+
+def test_fake_implements_every_step_the_spec_names():
+    assert set(vars(fake_sonicmoe.steps())) == set(SUPPORT.details["kernels"])
+    assert set(SPEC.backends["sonicmoe"].support("jax").details["kernels"]) == set(SUPPORT.details["kernels"])
+
+
+RANDOM = [dict(T=0, k=2, E=4), dict(T=1, k=2, E=8), dict(T=37, k=3, E=5), dict(T=64, k=8, E=16),
+          dict(T=20, k=1, E=3)]
+
+
+@pytest.mark.parametrize("shape", RANDOM, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_forward_and_gradients_match_reference_and_each_other(fake, shape):
+    bias = shape["T"] % 2 == 1
+    arrays, grad_output = random_case(shape["T"] * 5 + shape["E"], H=24, I=16, bias=bias, empty_fraction=0.15,
+                                      **shape)
+    arrays["top_k_index"][::7, 0] = shape["E"] + 2  # unchecked out-of-range ids: empty slots
+    cleaned = dict(arrays, top_k_index=np.where(arrays["top_k_index"] >= shape["E"], -1, arrays["top_k_index"]))
+    expected = reference.experts_forward(**cleaned)
+    expected_grads = reference.experts_backward(**cleaned, grad_output=grad_output)
+    out, grads = torch_run(arrays, grad_output)
+    jout, jgrads = jax_run(arrays, grad_output)
+    assert relative_l2(out, expected) <= TOL
+    for name, g in grads.items():
+        assert relative_l2(g, expected_grads[name]) <= TOL, name
+    np.testing.assert_array_equal(jout, out)  # the same steps on the same buffers: the same bits
+    for name in grads:
+        np.testing.assert_array_equal(jgrads[name], grads[name], err_msg=name)
+    if shape["T"]:
+        empty = cleaned["top_k_index"] < 0
+        assert np.all(grads["top_k_weights"][empty] == 0) and np.all(jgrads["top_k_weights"][empty] == 0)
+        assert fake[:4] == ["routing", "up", "down", "combine"]
+        assert fake[4:9] == ["down_backward", "down_backward_weight", "up_backward", "up_backward_weight",
+                             "token_sum"]
+    else:
+        assert not fake  # nothing launched for no tokens
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "bfloat16" and c.activation == "silu"],
+                         ids=case_id)
+def test_shared_vectors_zero_padded_to_multiples_of_8(fake, case):
+    E, H, I = case.inputs["down_proj"].shape
+    padded = padded_arrays(case.inputs, 8)
+    H2 = padded["down_proj"].shape[1]
+    grad_output = np.pad(case.grad_output, [(0, 0), (0, H2 - H)])
+    out, grads = torch_run(padded, grad_output)
+    jout, jgrads = jax_run(padded, grad_output)
+    assert relative_l2(out[:, :H], case.expected["out"]) <= TOL
+    np.testing.assert_array_equal(jout, out)
+    for name, g in unpadded_gradients(grads, H, I).items():
+        assert relative_l2(g, case.expected[f"grad_{name}"]) <= TOL, name
+        np.testing.assert_array_equal(unpadded_gradients(jgrads, H, I)[name], g, err_msg=name)
+
+
+def test_inference_keeps_no_residuals(fake):
+    arrays, _ = random_case(3, T=9, H=16, I=8, E=4, k=2, bias=False)
+    with torch.no_grad():
+        out = torch_sonic.experts_forward(**to_torch(arrays))
+    jout = jax.jit(lambda v: jax_sonic.experts_forward(**v))(to_jax(arrays))
+    np.testing.assert_array_equal(np.asarray(jout.astype(jnp.float32)), out.float().numpy())
+    assert relative_l2(out.float().numpy(), reference.experts_forward(**arrays)) <= TOL
+    names = [b.name for b in sonic_steps.forward_buffers(9, 16, 8, 4, 2, training=False)]
+    assert "preact" not in names and fake == ["routing", "up", "down", "combine"] * 2
+
+
+def test_torch_compile_fullgraph_forward_and_backward(fake):
+    arrays, grad_output = random_case(4, T=30, H=16, I=8, E=4, k=2, bias=True, empty_fraction=0.2)
+    eager_out, eager_grads = torch_run(arrays, grad_output)
+    ts = to_torch(arrays, requires_grad=True)
+    compiled = torch.compile(lambda **kw: torch_sonic.experts_forward(**kw), fullgraph=True, backend="aot_eager")
+    out = compiled(**ts)
+    out.backward(torch.from_numpy(grad_output).to(torch.bfloat16))
+    np.testing.assert_array_equal(out.detach().float().numpy(), eager_out)
+    for name, g in eager_grads.items():
+        np.testing.assert_array_equal(ts[name].grad.float().numpy(), g, err_msg=name)
+
+
+def test_custom_ops_schema_and_fake(fake):
+    arrays = to_torch(random_case(5, T=12, H=16, I=8, E=3, k=2, bias=True, empty_fraction=0.2)[0])
+    args = (arrays["hidden_states"], arrays["top_k_index"], arrays["top_k_weights"], arrays["gate_up_proj"],
+            arrays["down_proj"], arrays["gate_up_bias"], arrays["down_bias"], "silu")
+    for op in (torch.ops.moe_torch.sonicmoe_experts.default, torch.ops.moe_torch.sonicmoe_experts_train.default):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    residuals = torch_sonic.sonicmoe_experts_train(*args)[1:]
+    dout = torch.randn(12, 16).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.moe_torch.sonicmoe_experts_backward.default,
+                          (dout, *args[:2], *args[3:7], residuals, "silu"), test_utils=("test_schema",
+                                                                                        "test_faketensor"))
+
+
+# --- what the kernels cannot take ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("activation, got", [("gelu", "'gelu'"), ("relu", "'relu'"),
+                                             (lambda h: h[..., :4], "the callable <lambda>")])
+def test_activations_without_a_sonicmoe_form_are_refused(fake, activation, got):
+    arrays, _ = random_case(6, T=8, H=16, I=8, E=3, k=2, bias=False)
+    message = rf"activation: implementation 'sonicmoe' takes one of \['silu'\], got {got}"
+    with pytest.raises(ValueError, match=message):
+        torch_sonic.experts_forward(**to_torch(arrays), activation=activation)
+    with pytest.raises(ValueError, match=message):
+        jax_sonic.experts_forward(**to_jax(arrays), activation=activation)
+    assert not fake
+
+
+def test_shapes_and_dtypes_the_kernels_cannot_take(fake):
+    for H, I, arg, dim, size in ((20, 8, "gate_up_proj", "H", 20), (16, 12, "down_proj", "I", 12)):
+        bad, _ = random_case(6, T=8, H=H, I=I, E=3, k=2, bias=False)
+        message = rf"{arg}: expected {dim} a multiple of 8 for implementation 'sonicmoe' .*{dim} = {size}"
+        with pytest.raises(ValueError, match=message):
+            torch_sonic.experts_forward(**to_torch(bad))
+        with pytest.raises(ValueError, match=message):
+            jax_sonic.experts_forward(**to_jax(bad))
+    arrays, _ = random_case(6, T=8, H=16, I=8, E=3, k=2, bias=False)
+    as_float32 = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).float()
+                  for n, a in arrays.items()}
+    with pytest.raises(ValueError, match=r"gate_up_proj: implementation 'sonicmoe' supports dtypes \['bfloat16'\], "
+                                         r"got dtype float32"):
+        torch_sonic.experts_forward(**as_float32)
+    assert not fake
+
+
+# --- requirement errors -------------------------------------------------------------------------------------------
+
+INSTALL = r"pip install 'moe-experts\[sonicmoe\]' && pip install --no-deps 'sonic-moe==0.1.2.post1'"
+
+
+def test_unavailable_on_cpu_with_reasons(monkeypatch):
+    assert moe_torch.available_backends("cpu")["sonicmoe"] == (
+        "implementation 'sonicmoe' needs the package 'sonicmoe': pip install 'moe-experts[sonicmoe]' && "
+        "pip install --no-deps 'sonic-moe==0.1.2.post1'")
+    assert "'sonicmoe'" in moe_jax.available_backends("cpu")["sonicmoe"]
+    arrays = to_torch(random_case(5, T=4, H=16, I=8, E=3, k=2, bias=False)[0])
+    with pytest.raises(ImportError, match=INSTALL):
+        moe_torch.experts_forward(**arrays, implementation="sonicmoe")
+    monkeypatch.setitem(registry.PACKAGES_PRESENT, "sonicmoe", True)
+    with pytest.raises(RuntimeError, match=r"implementation 'sonicmoe' runs on \['cuda'\], got a tensor on cpu"):
+        moe_torch.experts_forward(**arrays, implementation="sonicmoe")
+    with pytest.raises(RuntimeError, match=r"runs on \['cuda'\], got a tensor on cpu"):
+        torch_sonic.runtime(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"runs on \['cuda'\], got the cpu platform"):
+        jax_sonic.runtime("cpu")
+
+
+def test_jax_backend_never_imports_torch_until_called():
+    code = "import sys, moe_jax.backends.sonicmoe; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA device of a chosen compute capability for the checks (no kernel runs), with fresh caches."""
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch_sonic, "_READY", {})
+    monkeypatch.setattr(requirements, "_LOADED", {})
+    return capability
+
+
+def test_first_call_checks_capability_then_version_then_imports(fake_cuda, monkeypatch):
+    device = torch.device("cuda", 0)
+    fake_cuda[0] = (8, 9)
+    with pytest.raises(RuntimeError, match=r"'sonicmoe' needs CUDA compute capability >= 9.0, got 8.9 on a tensor "
+                                           r"on cuda:0"):
+        torch_sonic.runtime(device)
+    fake_cuda[0] = (9, 0)
+    installed = {}
+    monkeypatch.setattr(requirements, "installed_version", lambda dist: installed.get(dist))
+    with pytest.raises(ImportError, match=rf"'sonicmoe' needs sonic-moe 0.1.2.post1, got none installed: {INSTALL}"):
+        torch_sonic.runtime(device)
+    installed["sonic-moe"] = "0.1.3"  # its internals may differ: refused before any import
+    with pytest.raises(ImportError, match=r"needs sonic-moe 0.1.2.post1, got 0.1.3"):
+        torch_sonic.runtime(device)
+    installed["sonic-moe"] = "0.1.2.post1"
+    monkeypatch.setitem(sys.modules, "sonicmoe", None)  # not importable
+    with pytest.raises(ImportError, match=rf"'sonicmoe' needs the package 'sonicmoe': {INSTALL}"):
+        torch_sonic.runtime(device)
+
+
+def test_steps_load_from_the_modules_the_spec_names(monkeypatch):
+    for module in {where.partition(":")[0] for where in SUPPORT.details["kernels"].values()}:
+        fake_module = SimpleNamespace(**{where.partition(":")[2]: (lambda w: lambda: w)(where)
+                                         for where in SUPPORT.details["kernels"].values()})
+        monkeypatch.setitem(sys.modules, module, fake_module)
+    steps = sonic_steps.load_steps(SUPPORT.details["kernels"])
+    assert {name: f() for name, f in vars(steps).items()} == dict(SUPPORT.details["kernels"])
+
+
+def test_buffer_tables():
+    T, H, I, E, k = 5, 16, 8, 4, 3
+    inference = {b.name: b for b in sonic_steps.forward_buffers(T, H, I, E, k, training=False)}
+    training = {b.name: b for b in sonic_steps.forward_buffers(T, H, I, E, k, training=True)}
+    assert list(training)[0] == "out" and training["out"].shape == (T, H)
+    assert set(sonic_steps.RESIDUALS) <= set(training) and "preact" not in inference
+    assert training["preact"].shape == (T * k, 2 * I) and training["offsets"].shape == (E + 1,)
+    grads = [b.name for b in sonic_steps.backward_buffers(T, H, I, E, k, True, False)]
+    assert grads[:5] == ["dx", "d_scores", "d_gate_up", "d_down", "d_gate_up_bias"] and "d_down_bias" not in grads
