@@ -35,6 +35,7 @@ _REQUIREMENT_WORDS = (
     lambda r: ["nvcc >= " + " / ".join(f"{_dotted(v)} (CC {_dotted(cc)})" for cc, v in r.nvcc.items())]
     if r.nvcc else [],
     lambda r: [f"{r.abi['distribution']} built for the installed {r.abi['framework']}"] if r.abi else [],
+    lambda r: [f"{d} {' or '.join(v)} (no-deps)" for d, v in r.versions.items()],
     lambda r: list(r.other.values()),
 )
 
