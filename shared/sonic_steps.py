@@ -71,6 +71,14 @@ def backward_buffers(T: int, H: int, I: int, E: int, k: int, gate_up_bias: bool,
     return grads + scratch
 
 
+def check_biases(backend: str, rule, intermediate: int, gate_up_bias: bool, down_bias: bool) -> None:
+    """ValueError for biases on an I below ``rule["min_I"]`` (the spec's ``biases`` of the backend)."""
+    if (gate_up_bias or down_bias) and intermediate < rule["min_I"]:
+        arg = "gate_up_bias" if gate_up_bias else "down_bias"
+        raise ValueError(f"{arg}: implementation {backend!r} takes biases with I >= {rule['min_I']} (its bias-gradient "
+                         f"kernel tiles 2I by at least {2 * rule['min_I']}), got I = {intermediate}")
+
+
 def load_steps(kernels: Mapping[str, str]) -> SimpleNamespace:
     """The step functions named in the spec (``step = "module:function"``), imported."""
     found = {}

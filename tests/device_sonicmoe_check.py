@@ -3,7 +3,8 @@
     python tests/device_sonicmoe_check.py --out DIR [--parts correctness,compile] [--budget-s 300]
 
 Correctness, forward and every gradient, in torch and in JAX: every bf16 SwiGLU shared vector, zero-padded to H and
-I multiples of 8 (the same problem; the gelu and relu vectors must raise ValueError), and random problems (T = 1,
+I multiples of 8, or of 32 for a vector with biases (the same problem; biases need I >= 32; the gelu and relu vectors
+must raise ValueError), and random problems (T = 1,
 64, 300, 2048; -1 slots, out-of-range ids, idle experts, biases) against the float64 reference within the spec's
 tolerance; torch and JAX bit-identical; two torch runs bit-identical; idle experts' weight gradients exactly zero;
 our output next to SonicMoE's own layer function (``moe_general_routing_inputs``) on the same routing.
@@ -33,6 +34,7 @@ from support import DIFF_ARGS, padded_arrays, random_case, record_outcome, unpad
 SPEC = load_spec()
 TOL = SPEC.tolerance_for("bfloat16")
 STARTED = time.perf_counter()
+BIAS_MIN_I = SPEC.backends["sonicmoe"].support("torch").details["biases"]["min_I"]
 RANDOM = [(1, 4, False), (64, 8, True), (300, 8, True), (2048, 16, False)]  # T, E, bias (H=256, I=128, k=2)
 
 
@@ -110,7 +112,7 @@ def check_vector(case):
         except ValueError as err:
             return {"refused": str(err)}
         raise AssertionError(f"activation {case.activation} did not raise")
-    padded = padded_arrays(case.inputs, 8)
+    padded = padded_arrays(case.inputs, BIAS_MIN_I if "gate_up_bias" in case.inputs else 8)
     H2 = padded["down_proj"].shape[1]
     grad_output = np.pad(case.grad_output, [(0, 0), (0, H2 - H)])
 

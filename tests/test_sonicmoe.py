@@ -84,7 +84,7 @@ RANDOM = [dict(T=0, k=2, E=4), dict(T=1, k=2, E=8), dict(T=37, k=3, E=5), dict(T
 @pytest.mark.parametrize("shape", RANDOM, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_forward_and_gradients_match_reference_and_each_other(fake, shape):
     bias = shape["T"] % 2 == 1
-    arrays, grad_output = random_case(shape["T"] * 5 + shape["E"], H=24, I=16, bias=bias, empty_fraction=0.15,
+    arrays, grad_output = random_case(shape["T"] * 5 + shape["E"], H=24, I=32, bias=bias, empty_fraction=0.15,
                                       **shape)
     arrays["top_k_index"][::7, 0] = shape["E"] + 2  # unchecked out-of-range ids: empty slots
     cleaned = dict(arrays, top_k_index=np.where(arrays["top_k_index"] >= shape["E"], -1, arrays["top_k_index"]))
@@ -110,9 +110,9 @@ def test_forward_and_gradients_match_reference_and_each_other(fake, shape):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "bfloat16" and c.activation == "silu"],
                          ids=case_id)
-def test_shared_vectors_zero_padded_to_multiples_of_8(fake, case):
+def test_shared_vectors_zero_padded_to_multiples_of_8_or_32_with_biases(fake, case):
     E, H, I = case.inputs["down_proj"].shape
-    padded = padded_arrays(case.inputs, 8)
+    padded = padded_arrays(case.inputs, 32 if "gate_up_bias" in case.inputs else 8)
     H2 = padded["down_proj"].shape[1]
     grad_output = np.pad(case.grad_output, [(0, 0), (0, H2 - H)])
     out, grads = torch_run(padded, grad_output)
@@ -136,7 +136,7 @@ def test_inference_keeps_no_residuals(fake):
 
 
 def test_torch_compile_fullgraph_forward_and_backward(fake):
-    arrays, grad_output = random_case(4, T=30, H=16, I=8, E=4, k=2, bias=True, empty_fraction=0.2)
+    arrays, grad_output = random_case(4, T=30, H=16, I=32, E=4, k=2, bias=True, empty_fraction=0.2)
     eager_out, eager_grads = torch_run(arrays, grad_output)
     ts = to_torch(arrays, requires_grad=True)
     compiled = torch.compile(lambda **kw: torch_sonic.experts_forward(**kw), fullgraph=True, backend="aot_eager")
@@ -148,7 +148,7 @@ def test_torch_compile_fullgraph_forward_and_backward(fake):
 
 
 def test_custom_ops_schema_and_fake(fake):
-    arrays = to_torch(random_case(5, T=12, H=16, I=8, E=3, k=2, bias=True, empty_fraction=0.2)[0])
+    arrays = to_torch(random_case(5, T=12, H=16, I=32, E=3, k=2, bias=True, empty_fraction=0.2)[0])
     args = (arrays["hidden_states"], arrays["top_k_index"], arrays["top_k_weights"], arrays["gate_up_proj"],
             arrays["down_proj"], arrays["gate_up_bias"], arrays["down_bias"], "silu")
     for op in (torch.ops.moe_torch.sonicmoe_experts.default, torch.ops.moe_torch.sonicmoe_experts_train.default):
@@ -182,6 +182,12 @@ def test_shapes_and_dtypes_the_kernels_cannot_take(fake):
             torch_sonic.experts_forward(**to_torch(bad))
         with pytest.raises(ValueError, match=message):
             jax_sonic.experts_forward(**to_jax(bad))
+    small, _ = random_case(6, T=8, H=16, I=24, E=3, k=2, bias=True)
+    message = r"gate_up_bias: implementation 'sonicmoe' takes biases with I >= 32 .*got I = 24"
+    with pytest.raises(ValueError, match=message):
+        torch_sonic.experts_forward(**to_torch(small))
+    with pytest.raises(ValueError, match=message):
+        jax_sonic.experts_forward(**to_jax(small))
     arrays, _ = random_case(6, T=8, H=16, I=8, E=3, k=2, bias=False)
     as_float32 = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).float()
                   for n, a in arrays.items()}

@@ -122,6 +122,8 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     SUPPORT.check_dtype(NAME, jnp.dtype(gate_up_proj.dtype).name)
     check_multiples(NAME, SUPPORT.multiples, {"gate_up_proj": tuple(gate_up_proj.shape),
                                               "down_proj": tuple(down_proj.shape)})
+    sonic_steps.check_biases(NAME, SUPPORT.details["biases"], down_proj.shape[2], gate_up_bias is not None,
+                             down_bias is not None)
     x = hidden_states.astype(gate_up_proj.dtype)
     out = _experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation)
     return out.astype(hidden_states.dtype)

@@ -133,18 +133,20 @@ def _backward(ctx, grads):
 sonicmoe_experts_train.register_autograd(_backward, setup_context=_setup_context)
 
 
-def check_inputs(gate_up_proj, down_proj, activation) -> None:
+def check_inputs(gate_up_proj, down_proj, gate_up_bias, down_bias, activation) -> None:
     """What SonicMoE's kernels cannot take raises ValueError before any work: the activation, the weights' dtype,
-    H and I (multiples of 8)."""
+    H and I (multiples of 8), biases on a small I."""
     SUPPORT.check_activation(NAME, activation)
     SUPPORT.check_dtype(NAME, dtype_name(gate_up_proj.dtype))
     check_multiples(NAME, SUPPORT.multiples, {"gate_up_proj": tuple(gate_up_proj.shape),
                                               "down_proj": tuple(down_proj.shape)})
+    sonic_steps.check_biases(NAME, SUPPORT.details["biases"], down_proj.shape[2], gate_up_bias is not None,
+                             down_bias is not None)
 
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
-    check_inputs(gate_up_proj, down_proj, activation)
+    check_inputs(gate_up_proj, down_proj, gate_up_bias, down_bias, activation)
     if not torch.compiler.is_compiling():  # compiled, the custom op checks when it first runs
         runtime(gate_up_proj.device)
     args = (hidden_states.to(gate_up_proj.dtype).contiguous(), top_k_index, top_k_weights,
