@@ -38,11 +38,18 @@ BIAS_MIN_I = SPEC.backends["sonicmoe"].support("torch").details["biases"]["min_I
 RANDOM = [(1, 4, False), (64, 8, True), (300, 8, True), (2048, 16, False)]  # T, E, bias (H=256, I=128, k=2)
 
 
+CHECKPOINT: list[Path] = []  # where each outcome is written as soon as it is known (a timeout loses none)
+
+
 def record(results, kind, name, fn, budget_s):
     if time.perf_counter() - STARTED > budget_s:
         results.append({"kind": kind, "name": name, "ok": False, "detail": "skipped: out of time"})
-        return
-    record_outcome(results, kind, name, fn)
+    else:
+        record_outcome(results, kind, name, fn)
+    last = results[-1]
+    print("OK  " if last["ok"] else "FAIL", kind, name, f"{last.get('s', '')}s", str(last["detail"])[:300], flush=True)
+    for path in CHECKPOINT:
+        path.write_text(json.dumps({"results": results}, indent=1, default=str))
 
 
 def torch_inputs(arrays, requires_grad):
@@ -243,6 +250,7 @@ def main():
                                                               "apache-tvm-ffi", "torch-c-dlpack-ext", "triton")},
             "device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability()}
     results = []
+    CHECKPOINT.append(args.out / "sonicmoe-partial.json")
     parts = {"correctness": correctness, "compile": compiled}
     for part in args.parts.split(","):
         parts[part](results, args.budget_s)
@@ -250,8 +258,6 @@ def main():
     (args.out / "sonicmoe.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     print(json.dumps(meta, default=str))
     print(f"checks: {sum(r['ok'] for r in results)} passed, {sum(not r['ok'] for r in results)} failed")
-    for r in results:
-        print("OK  " if r["ok"] else "FAIL", r["kind"], r["name"], f"{r.get('s', '')}s", str(r["detail"])[:300])
 
 
 if __name__ == "__main__":
