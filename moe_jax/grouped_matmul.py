@@ -37,7 +37,7 @@ def block_rows(rows: int, experts: int) -> tuple[int, ...]:
     return (bulk, bulk // 4) if bulk >= 64 else (bulk,)
 
 
-def _blocked(start, end, sizes, step, carry):
+def blocked(start, end, sizes, step, carry):
     """Run ``step(row, size, carry) -> carry`` over [start, end) in blocks: every size but the last while a whole
     block fits, the last size until ``end`` is covered (its final block may run past ``end``)."""
     row = start
@@ -63,7 +63,7 @@ def _ragged(x, w, group_sizes, transpose_w: bool):
     return y.astype(x.dtype)
 
 
-def _hit_experts(group_sizes):
+def hit_experts(group_sizes):
     E = group_sizes.shape[0]
     ends = jnp.cumsum(group_sizes)
     hit = jnp.nonzero(group_sizes > 0, size=E, fill_value=0)[0]
@@ -73,11 +73,16 @@ def _hit_experts(group_sizes):
 _BITS = {2: jnp.uint16, 4: jnp.uint32}
 
 
-def _to_bits(a):
-    return lax.bitcast_convert_type(a, _BITS[a.dtype.itemsize])
+def bits_dtype(dtype):
+    """The unsigned integer type of ``dtype``'s width (row buffers are updated as raw bits, see below)."""
+    return _BITS[jnp.dtype(dtype).itemsize]
 
 
-def _from_bits(a, dtype):
+def bits(a):
+    return lax.bitcast_convert_type(a, bits_dtype(a.dtype))
+
+
+def from_bits(a, dtype):
     return lax.bitcast_convert_type(a, dtype)
 
 
@@ -91,7 +96,7 @@ def _segment_forward(x, w, group_sizes, transpose_w: bool):
     S, K = x.shape
     N = w.shape[1] if transpose_w else w.shape[2]
     sizes = block_rows(S, w.shape[0])
-    hit, n_hit, starts, ends = _hit_experts(group_sizes)
+    hit, n_hit, starts, ends = hit_experts(group_sizes)
     dims = _contract(transpose_w)
 
     def expert(carry):
@@ -106,15 +111,15 @@ def _segment_forward(x, w, group_sizes, transpose_w: bool):
             xb = lax.dynamic_slice(xp, (row, 0), (size, K))
             yb = lax.dot_general(xb, we, dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
             # rows past this expert's end belong to later experts, which overwrite them afterwards
-            return lax.dynamic_update_slice(out, _to_bits(yb.astype(x.dtype)), (row, 0)), xp
+            return lax.dynamic_update_slice(out, bits(yb.astype(x.dtype)), (row, 0)), xp
 
-        out, xp = _blocked(starts[e], ends[e], sizes, step, (out, xp))
+        out, xp = blocked(starts[e], ends[e], sizes, step, (out, xp))
         return i + 1, out, w, xp
 
-    out = jnp.zeros((S + sizes[0], N), _BITS[x.dtype.itemsize])
+    out = jnp.zeros((S + sizes[0], N), bits_dtype(x.dtype))
     xp = jnp.pad(x, ((0, sizes[0]), (0, 0)))
     out = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, out, w, xp))[1]
-    return _from_bits(out[:S], x.dtype)
+    return from_bits(out[:S], x.dtype)
 
 
 def _segment_weight_grad(dy, x, group_sizes, num_experts: int, transpose_w: bool):
@@ -124,10 +129,10 @@ def _segment_weight_grad(dy, x, group_sizes, num_experts: int, transpose_w: bool
     into the [E, ...] gradient."""
     S = dy.shape[0]
     sizes = block_rows(S, num_experts)
-    hit, n_hit, starts, ends = _hit_experts(group_sizes)
+    hit, n_hit, starts, ends = hit_experts(group_sizes)
     a, b = (dy, x) if transpose_w else (x, dy)
     shape = (num_experts, a.shape[1], b.shape[1])
-    bits = _BITS[x.dtype.itemsize]
+    raw = bits_dtype(x.dtype)
     capacity = min(num_experts, S)
 
     def expert(carry):
@@ -145,19 +150,19 @@ def _segment_weight_grad(dy, x, group_sizes, num_experts: int, transpose_w: bool
                                         preferred_element_type=jnp.float32)
             return acc, ap, bp
 
-        acc, ap, bp = _blocked(starts[e], ends[e], sizes, step, (jnp.zeros(shape[1:], jnp.float32), ap, bp))
-        grads = lax.dynamic_update_index_in_dim(grads, _to_bits(acc.astype(x.dtype)), i, 0)
+        acc, ap, bp = blocked(starts[e], ends[e], sizes, step, (jnp.zeros(shape[1:], jnp.float32), ap, bp))
+        grads = lax.dynamic_update_index_in_dim(grads, bits(acc.astype(x.dtype)), i, 0)
         return i + 1, grads, ap, bp
 
     pad = ((0, sizes[0]), (0, 0))
-    grads = jnp.zeros((capacity, *shape[1:]), bits)
+    grads = jnp.zeros((capacity, *shape[1:]), raw)
     grads = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, grads, jnp.pad(a, pad), jnp.pad(b, pad)))[1]
     # one pass writes the whole gradient: expert e takes its accumulated slab, or an appended zero slab
     filled = jnp.arange(capacity, dtype=jnp.int32)
     targets = jnp.where(filled < n_hit, hit[:capacity], num_experts)
     slab = jnp.full((num_experts,), capacity, jnp.int32).at[targets].set(filled, mode="drop")
-    grads = jnp.concatenate([grads, jnp.zeros((1, *shape[1:]), bits)])
-    return _from_bits(grads[slab], x.dtype)
+    grads = jnp.concatenate([grads, jnp.zeros((1, *shape[1:]), raw)])
+    return from_bits(grads[slab], x.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -191,7 +196,7 @@ KERNELS: dict[str, Callable] = {
 
 
 @cache
-def _platform_present(platform: str) -> bool:
+def platform_present(platform: str) -> bool:
     """Whether this process has devices of ``platform``: branches for absent platforms are not traced (a CUDA
     kernel's binding cannot be traced on a CPU-only jaxlib)."""
     try:
@@ -199,14 +204,14 @@ def _platform_present(platform: str) -> bool:
     except RuntimeError:
         return False
 
-_JAX_PLATFORMS = {"cpu": "cpu", "cuda": "cuda", "tpu": "tpu"}  # spec device class -> lowering platform
+JAX_PLATFORMS = {"cpu": "cpu", "cuda": "cuda", "tpu": "tpu"}  # spec device class -> lowering platform
 
 
 def grouped_matmul(x, w, group_sizes, *, kernels: Mapping[str, str], transpose_w: bool = True):
     """``x`` [S, K] by ``w`` [E, N, K] per group (``transpose_w``) or [E, K, N]; ``kernels`` maps a spec device
     class to a kernel name, ``"default"`` for the rest."""
-    chosen = {_JAX_PLATFORMS[dc]: KERNELS[name] for dc, name in kernels.items()
-              if dc != "default" and _platform_present(_JAX_PLATFORMS[dc])}
+    chosen = {JAX_PLATFORMS[dc]: KERNELS[name] for dc, name in kernels.items()
+              if dc != "default" and name in KERNELS and platform_present(JAX_PLATFORMS[dc])}
     default = KERNELS[kernels.get("default", "ragged_dot")]
     if not chosen:
         return default(x, w, group_sizes, transpose_w)

@@ -195,7 +195,7 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
             axis_name=axis, implementation=implementation, activation=activation,
             capacity_factor=capacity_factor, transport=transport)
 
-    # check_vma=False: the local backends' loops (the CPU segment loop's while_loop carries) are not written
+    # check_vma=False: the local backends' loops (the CPU expert loop's while_loop carries) are not written
     # for varying-manual-axes types; the outputs' specs hold by construction (out per device, dropped psum-ed).
     mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(expert_spec(axis, 2), PartitionSpec()),
                            check_vma=False)

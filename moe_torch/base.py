@@ -31,42 +31,173 @@ def device_class(device: torch.device) -> str:
     return _DEVICE_CLASSES.get(device.type, device.type)
 
 
+def takes_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on ``tensors``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def gate(activation: str | Callable, h: torch.Tensor, intermediate: int) -> torch.Tensor:
     """act(g) * u for [g; u] = h, or the custom gate callable applied to h."""
     if callable(activation):
         return activation(h)
     g, u = h[..., :intermediate], h[..., intermediate:]
-    return ACTIVATIONS[activation](g) * u
+    act = ACTIVATIONS[activation](g)
+    return act * u if takes_grad(h) else act.mul_(u)  # in place where nothing is saved for a backward
 
 
 class Slots:
     """The T*k routed slots, flattened token-major: slot s belongs to token s // k.
 
     Ids outside [0, E) (the empty slot -1, or anything unchecked) are empty: ``safe_ids`` maps them to expert 0 so
-    that no gather reads out of bounds, and ``valid`` masks them out of the result and of every gradient.
+    that no gather reads out of bounds, and ``valid`` masks them out of the result and of every gradient. On the CPU
+    outside torch.compile one min/max tells whether there are any (no device sync); without any, ``valid`` is None
+    and nothing is masked.
     """
 
     def __init__(self, top_k_index: torch.Tensor, num_experts: int):
         self.T, self.k = top_k_index.shape
-        self.ids = top_k_index.reshape(-1).long()
-        self.valid = (self.ids >= 0) & (self.ids < num_experts)
-        self.safe_ids = torch.where(self.valid, self.ids, 0)
+        self.ids = top_k_index.reshape(-1)
         self.num_experts = num_experts
+        self.valid = None if self._all_valid() else (self.ids >= 0) & (self.ids < num_experts)
+
+    def _all_valid(self) -> bool:
+        if self.ids.device.type != "cpu" or torch.compiler.is_compiling():
+            return False
+        if not self.ids.numel():
+            return True
+        lowest, highest = torch.aminmax(self.ids)
+        return int(lowest) >= 0 and int(highest) < self.num_experts
 
     @property
     def count(self) -> int:
         return self.T * self.k
 
+    @property
+    def safe_ids(self) -> torch.Tensor:
+        return self.ids if self.valid is None else torch.where(self.valid, self.ids, 0)
+
+    def expert_key(self) -> torch.Tensor:
+        """Each slot's expert, E for the empty ones (they sort last)."""
+        return self.ids if self.valid is None else torch.where(self.valid, self.ids, self.num_experts)
+
+    def mask(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [T*k, ...] with the empty slots' entries zeroed."""
+        if self.valid is None:
+            return values
+        return torch.where(self.valid.view(-1, *(1,) * (values.dim() - 1)), values, 0)
+
     def token_of_slot(self) -> torch.Tensor:
         return torch.arange(self.count, device=self.ids.device) // self.k
 
 
-def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """sum_j w[t, j] * y[t*k + j] in float32 (deterministic: no scatter), empty slots exactly zero."""
-    H = y.shape[-1]
-    w = torch.where(slots.valid, top_k_weights.reshape(-1).float(), 0.0)
-    y = torch.where(slots.valid[:, None], y.float(), 0.0)
-    return (y * w[:, None]).view(slots.T, slots.k, H).sum(dim=1).to(out_dtype)
+def sort_by_expert(slots: Slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots sorted by expert, stably, empty slots last: (the expert of each sorted row, E for empty slots; the
+    slot of each sorted row; the sorted row of each slot)."""
+    sorted_ids, order = torch.sort(slots.expert_key(), stable=True)
+    restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return sorted_ids, order, restore
+
+
+class RowGather(torch.autograd.Function):
+    """A row gather differentiated without an accumulating scatter. Autograd turns indexing into an index_put with
+    accumulate (atomics on CUDA: other bits on every run); the subclasses use what they know of their indices."""
+
+    @staticmethod
+    def rows(t, index):
+        return t[index]
+
+    @classmethod
+    def gather(cls, t, index, *backward_args):
+        """The gather, through this function where autograd records it, else plain (no autograd.Function cost)."""
+        if torch.is_grad_enabled() and t.requires_grad:
+            return cls.apply(t, index, *backward_args)
+        return cls.rows(t, index)
+
+
+class TokenRows(RowGather):
+    """x[token]. Backward: each token's k slot gradients, put back in slot order through the permutation
+    ``restore`` (nothing accumulates) and summed over k in float32 in a fixed order; empty slots (``valid`` false,
+    rows past the grouped matmul's offsets) are dropped."""
+
+    @staticmethod
+    def rows(x, token):
+        return x.index_select(0, token)
+
+    @staticmethod
+    def forward(ctx, x, token, restore, valid, k):
+        ctx.save_for_backward(restore, valid)
+        ctx.slot_shape = (x.shape[0], k, x.shape[1])  # [T, k, H]
+        return TokenRows.rows(x, token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        restore, valid = ctx.saved_tensors
+        per_slot = grad.index_select(0, restore)
+        if valid is not None:
+            per_slot.masked_fill_(~valid[:, None], 0)
+        # torch sums bfloat16 and float16 in float32 and rounds once
+        return per_slot.view(ctx.slot_shape).sum(1), None, None, None, None
+
+
+_VECTORIZED_COMBINE_MAX = 2**17  # elements of y up to which the combine runs as one product and one sum over k
+
+
+def _weighted_sum(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor,
+                  valid: torch.Tensor | None) -> torch.Tensor:
+    """sum_j weights[:, j] * (slot j's row of y) in float32, j = 0..k-1 in order: y is [T, k, H] in slot order, or
+    [R, H] with ``rows`` [T, k] naming each slot's row. With ``valid``, the rows of empty slots count as zero
+    whatever they hold. k multiply-adds into one float32 [T, H]: no [T*k, H] temporary (in half precision each
+    product is exact in float32, so every term is rounded once, by the sum)."""
+    out = None
+    for j in range(weights.shape[1]):
+        row = y[:, j] if rows is None else y.index_select(0, rows[:, j])
+        if valid is not None:
+            row = torch.where(valid[:, j, None], row, 0)
+        w = weights[:, j, None]
+        out = row * w.float() if out is None else out.addcmul_(row, w)
+    return out
+
+
+class _Combine(torch.autograd.Function):
+    """_weighted_sum of y [T, k, H], rounded to ``out_dtype``. Backward: each slot's row gradient w * grad (one
+    product, rounded once) and each weight's gradient, a float32 dot product over H; nothing [T*k, H] in float32."""
+
+    @staticmethod
+    def forward(ctx, y, weights, valid, out_dtype):
+        ctx.save_for_backward(y, weights, valid)
+        return _weighted_sum(y, None, weights, valid).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights, valid = ctx.saved_tensors
+        # one dtype: products and sums in it with float32 accumulation; mixed: in float32, rounded once at the end
+        common = y.dtype if y.dtype == grad.dtype == weights.dtype else torch.float32
+        grad, grad_y, grad_weights = grad.to(common), None, None
+        if ctx.needs_input_grad[0]:
+            grad_y = (weights.to(common).unsqueeze(2) * grad.unsqueeze(1)).to(y.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weights = torch.bmm(y.to(common), grad.unsqueeze(2)).squeeze(2).to(weights.dtype)
+            if valid is not None:
+                grad_weights = torch.where(valid, grad_weights, 0)
+        return grad_y, grad_weights, None, None
+
+
+def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtype: torch.dtype,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j w[t, j] * y[t*k + j] in float32, in order over j (deterministic: no scatter); empty slots exactly zero,
+    whatever their rows of ``y`` hold. ``rows`` [T*k]: the row of ``y`` of each slot, if y is not in slot order."""
+    T, k = slots.T, slots.k
+    weights = slots.mask(top_k_weights.reshape(-1)).view(T, k)
+    valid = None if slots.valid is None else slots.valid.view(T, k)
+    if takes_grad(y, weights):
+        y = y if rows is None else y.index_select(0, rows)
+        return _Combine.apply(y.view(T, k, y.shape[-1]), weights, valid, out_dtype)
+    if y.shape[-1] * slots.count <= _VECTORIZED_COMBINE_MAX:  # a few ops beat k multiply-adds
+        y = slots.mask(y if rows is None else y.index_select(0, rows))  # times float32 weights: float32 products
+        return (y.view(T, k, y.shape[-1]) * weights.float().unsqueeze(2)).sum(1).to(out_dtype)
+    if rows is None:
+        return _weighted_sum(y.view(T, k, y.shape[-1]), None, weights, valid).to(out_dtype)
+    return _weighted_sum(y, rows.view(T, k), weights, valid).to(out_dtype)
 
 
 class _GatherRows(torch.autograd.Function):

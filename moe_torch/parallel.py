@@ -171,7 +171,7 @@ class ExpertParallel(nn.Module):
         counts = torch.zeros(W, El + 1, dtype=torch.int64, device=device)
         if rejected is None:
             slots = Slots(top_k_index.contiguous(), self.num_experts)
-            key = torch.where(slots.valid, slots.ids, self.num_experts)
+            key = slots.expert_key()
             counts[:, :El] = torch.bincount(key, minlength=self.num_experts + 1)[:-1].view(W, El)
         else:
             counts[:, El] = 1

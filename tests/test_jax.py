@@ -16,7 +16,7 @@ from flax import nnx
 import moe_jax
 from moe_jax import BACKENDS, experts_forward
 from moe_jax import convert, flax_moe
-from moe_shared import relative_l2
+from moe_shared import reference, relative_l2
 from moe_shared.spec import FrameworkSupport, Requirements
 from support import (BAD_INPUT_IDS, BAD_INPUTS, CASES, DIFF_ARGS, SPEC, assert_close, case_id, cpu_backends,
                      good_arrays, random_case)
@@ -102,14 +102,61 @@ def _programs(backend: str) -> tuple[str, str]:
     return str(jax.make_jaxpr(f)(arrays)), f.lower(arrays).compile().as_text()
 
 
-def test_grouped_mm_runs_the_segment_loop_on_cpu_and_ragged_dot_backend_runs_ragged_dot():
-    assert SPEC.backends["grouped_mm"].support("jax").details["kernel"]["cpu"] == "segment_loop"
+def test_grouped_mm_runs_the_expert_loop_on_cpu_and_ragged_dot_backend_runs_ragged_dot():
+    assert SPEC.backends["grouped_mm"].support("jax").details["kernel"]["cpu"] == "expert_loop"
     grouped_jaxpr, grouped_hlo = _programs("grouped_mm")
     ragged_jaxpr, ragged_hlo = _programs("ragged_dot")
     assert "platform_index" in grouped_jaxpr  # both kernels traced, one kept per platform at lowering
-    assert " while(" in grouped_hlo  # the segment loop was compiled for CPU
+    assert " while(" in grouped_hlo  # the expert loop was compiled for CPU
     assert "ragged_dot_general" in ragged_jaxpr and "platform_index" not in ragged_jaxpr
     assert " while(" not in ragged_hlo  # ragged_dot's CPU expansion is loop-free
+
+
+# T, E, k: one-row blocks in the forward (at most 2 rows per expert on average), one block size (under 16), the
+# ladder of sizes with one block per expert, and experts with more rows than the largest block (several blocks)
+EXPERT_LOOP_PATHS = {"one-row": (6, 4, 1), "one-size": (40, 4, 1), "ladder": (60, 2, 2), "several-blocks": (700, 2, 1)}
+
+
+@pytest.mark.parametrize("path", list(EXPERT_LOOP_PATHS))
+def test_expert_loop_block_paths_match_the_reference(path):
+    """grouped_mm's CPU kernel through each way it splits an expert's rows into blocks, forward and every
+    gradient in float32, biases and empty slots included."""
+    from moe_jax.expert_loop import MAX_BLOCK, block_sizes
+    T, E, k = EXPERT_LOOP_PATHS[path]
+    arrays, dy = random_case(len(path), T=T, H=16, I=8, E=E, k=k, bias=True, empty_fraction=0.1)
+    sizes = block_sizes(T * k, E)
+    assert {"one-row": sizes == (1,), "one-size": len(sizes) == 1 and sizes[0] > 1,
+            "ladder": len(sizes) > 1 and T * k / E < MAX_BLOCK, "several-blocks": T * k / E > MAX_BLOCK}[path]
+    values = to_jax(arrays, "float32")
+    out, grads = forward_and_grads(values, "grouped_mm", grad_output=jnp.asarray(dy, jnp.float32), jit=True)
+    kw = dict(activation="silu", gate_up_bias=arrays["gate_up_bias"], down_bias=arrays["down_bias"])
+    args = [arrays[n] for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")]
+    expected = reference.experts_backward(*args, dy, **kw) | {"out": reference.experts_forward(*args, **kw)}
+    assert_close("out", np.asarray(out), expected["out"], "float32")
+    for name, g in grads.items():
+        assert_close(f"grad_{name}", np.asarray(g), expected[name], "float32")
+
+
+@pytest.mark.parametrize("transpose_w", [True, False])
+def test_segment_loop_kernel_matches_ragged_dot(transpose_w):
+    """The other CPU grouped-matmul kernel (selectable in the spec), forward and VJP, against ragged_dot, with idle
+    groups; rows past the last group are not its (what it leaves there is dropped by the combine)."""
+    from moe_jax.grouped_matmul import grouped_matmul
+    rng = np.random.default_rng(13)
+    sizes = jnp.asarray([5, 0, 19, 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((30, 24)), jnp.float32)  # 25 grouped rows, 5 past them
+    w = jnp.asarray(rng.standard_normal((4, 12, 24) if transpose_w else (4, 24, 12)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((30, 12)), jnp.float32).at[25:].set(0)
+
+    def run(kernel):
+        f = lambda x, w: grouped_matmul(x, w, sizes, kernels={"default": kernel}, transpose_w=transpose_w)
+        y, vjp = jax.vjp(jax.jit(f), x, w)
+        return (y, *vjp(dy))
+
+    ours, theirs = run("segment_loop"), run("ragged_dot")
+    for got, want, name in zip(ours, theirs, ("y", "dx", "dw")):
+        rows = slice(None) if name == "dw" else slice(25)
+        np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(want)[rows], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("arg, reshape, dtype, pattern", BAD_INPUTS, ids=BAD_INPUT_IDS)

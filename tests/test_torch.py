@@ -407,6 +407,32 @@ def _grouped_mm_fwd_bwd(arrays, dy, dtype):
     return run(tensors, "grouped_mm", grad_output=to_torch({"g": dy}, dtype)["g"])
 
 
+@pytest.mark.parametrize("empty", [False, True])
+@pytest.mark.parametrize("in_slot_order", [True, False])
+def test_combine_of_large_inputs_has_the_bits_of_one_sum_over_k(in_slot_order, empty):
+    """Large inputs take k multiply-adds into float32 token rows (no [T*k, H] temporary), in order over k: the
+    same bits as one float32 product and one sum over k; rows of empty slots count as zero whatever they hold."""
+    from moe_torch.base import Slots, combine
+    T, k, H, E = 160, 4, 256, 8
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    if empty:
+        ids[::3, 1] = -1
+    y = torch.randn(T * k, H, generator=g).bfloat16()
+    y[ids.reshape(-1) < 0] = float("nan")
+    w = torch.rand(T, k, generator=g).bfloat16()
+    valid = (ids >= 0).reshape(-1, 1)
+    expected = (torch.where(valid, y.float(), 0).view(T, k, H) * torch.where(valid.view(T, k), w, 0).float()[..., None])
+    expected = expected.sum(1).bfloat16()
+    perm = torch.randperm(T * k, generator=g)
+    rows = torch.empty_like(perm).scatter_(0, perm, torch.arange(T * k))  # slot s is row rows[s] of y[perm]
+    with torch.no_grad():
+        got = combine(y, Slots(ids, E), w, torch.bfloat16) if in_slot_order else \
+            combine(y[perm], Slots(ids, E), w, torch.bfloat16, rows=rows)
+    assert T * k * H > 2**17  # the multiply-add path
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_grouped_mm_backward_gives_the_same_bits_every_run(dtype):
     arrays, dy = random_case(12, T=33, H=16, I=8, E=5, k=3, bias=True, empty_fraction=0.2)

@@ -322,7 +322,7 @@ def test_jax_grouped_matmul_kernel_matches_ragged_dot(transpose_w):
 
 def test_jax_grouped_mm_traces_only_present_platforms():
     """grouped_mm's spec names the Triton kernel for CUDA; a CPU-only process never traces that branch (its
-    binding needs a CUDA jaxlib), and the CPU branch is the segment loop."""
+    binding needs a CUDA jaxlib), and the CPU branch is the expert loop."""
     assert SPEC.backends["grouped_mm"].support("jax").details["kernel"]["cuda"] == "triton"
     values = to_jax(random_case(14, T=6, H=8, I=4, E=3, k=2, bias=False)[0], "float32")
     text = jax.jit(lambda v: moe_jax.experts_forward(**v, implementation="grouped_mm")).lower(values).as_text()

@@ -1,5 +1,6 @@
 """grouped_mm: slots sorted by expert, one grouped matmul per projection; the kernel per platform is the spec's
-(``backends.grouped_mm.jax.kernel``): jax.lax.ragged_dot_general on GPU/TPU, the segment loop on CPU."""
+(``backends.grouped_mm.jax.kernel``): the Triton grouped GEMM on CUDA, jax.lax.ragged_dot_general on TPU, and on CPU
+the expert loop, which runs the whole expert MLP per block of sorted rows (``moe_jax.expert_loop``)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..base import Slots, combine, gate
+from ..base import RowGather, Slots, TokenRows, combine, gate, sort_by_expert, takes_grad
 
 NAME = "grouped_mm"
 NATIVE_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
@@ -59,23 +59,41 @@ def _(a, w, offs):
     return a.new_empty(a.shape[0], w.shape[1])
 
 
+@torch.library.custom_op("moe_torch::grouped_weight_grad", mutates_args=())
+def grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E, N, K]: grad[rows of e].T @ a[rows of e] for the row ranges ending at offs (one matmul each, float32
+    accumulation), zero for experts without rows; nothing accumulates across calls (the same bits every run)."""
+    out = grad.new_empty(num_experts, grad.shape[1], a.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):  # one host sync for the whole loop
+        if end > start:
+            torch.mm(grad[start:end].T, a[start:end], out=out[e])
+        else:
+            out[e].zero_()
+        start = end
+    return out
+
+
+@grouped_weight_grad.register_fake
+def _(grad, a, offs, num_experts):
+    return grad.new_empty(num_experts, grad.shape[1], a.shape[1])
+
+
 @torch.library.custom_op("moe_torch::grouped_mm_loop_backward", mutates_args=())
 def grouped_mm_loop_backward(grad: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
                              offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     grad_a = torch.zeros_like(a)
-    grad_w = torch.zeros_like(w)
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
             torch.mm(grad[start:end], w[e], out=grad_a[start:end])
-            grad_w[e] = grad[start:end].T @ a[start:end]
         start = end
-    return grad_a, grad_w
+    return grad_a, grouped_weight_grad(grad, a, offs, w.shape[0])
 
 
 @grouped_mm_loop_backward.register_fake
 def _(grad, a, w, offs):
-    return torch.empty_like(a), torch.empty_like(w)
+    return torch.empty_like(a), w.new_empty(w.shape)
 
 
 def _loop_setup(ctx, inputs, output):
@@ -105,46 +123,7 @@ def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(1, t.shape[1])])
 
 
-class _RowGather(torch.autograd.Function):
-    """A row gather differentiated without an accumulating scatter. Autograd turns indexing into an index_put with
-    accumulate (atomics on CUDA: other bits on every run); the subclasses use what they know of their indices."""
-
-    @staticmethod
-    def rows(t, index):
-        return t[index]
-
-    @classmethod
-    def gather(cls, t, index, *backward_args):
-        """The gather, through this function where autograd records it, else plain (no autograd.Function cost)."""
-        if torch.is_grad_enabled() and t.requires_grad:
-            return cls.apply(t, index, *backward_args)
-        return cls.rows(t, index)
-
-
-class _TokenRows(_RowGather):
-    """x[token] with a zero row appended at index T. Backward: each token's k slot gradients, put back in slot order
-    through the permutation ``restore`` (nothing accumulates) and summed over k in float32 in a fixed order; empty
-    slots (``valid`` false, rows past the grouped matmul's offsets) are dropped."""
-
-    @staticmethod
-    def rows(x, token):
-        return _with_zero_row(x)[token]
-
-    @staticmethod
-    def forward(ctx, x, token, restore, valid, k):
-        ctx.save_for_backward(restore, valid)
-        ctx.slot_shape = (x.shape[0], k, x.shape[1])  # [T, k, H]
-        return _TokenRows.rows(x, token)
-
-    @staticmethod
-    def backward(ctx, grad):
-        restore, valid = ctx.saved_tensors
-        per_slot = grad.index_select(0, restore).masked_fill_(~valid[:, None], 0)
-        # torch sums bfloat16 and float16 in float32 and rounds once
-        return per_slot.view(ctx.slot_shape).sum(1), None, None, None, None
-
-
-class _ExpertRows(_RowGather):
+class _ExpertRows(RowGather):
     """bias[expert] with a zero row appended at index E. Backward: each expert's rows summed by a one-hot matmul
     (float32 accumulation); rows of id E (empty slots, past the grouped matmul's offsets) are dropped."""
 
@@ -166,7 +145,7 @@ class _ExpertRows(_RowGather):
         return one_hot.to(grad.dtype) @ rows, None
 
 
-class _Permute(_RowGather):
+class _Permute(RowGather):
     """y[index] for a permutation ``index`` whose inverse is ``inverse``. Backward: grad[inverse]."""
 
     @staticmethod
@@ -184,20 +163,21 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
                     activation="silu", gate_up_bias=None, down_bias=None):
     E, H, I = down_proj.shape
     slots = Slots(top_k_index, E)
-    sorted_ids, order = torch.sort(torch.where(slots.valid, slots.ids, E), stable=True)
+    sorted_ids, order, restore = sort_by_expert(slots)
     experts = torch.arange(1, E + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # end of each expert's rows
 
-    # Empty slots sort last (id E), past offs[-1], rows the grouped matmul never reads or writes. They gather an
-    # appended zero token row (index T) and zero bias rows (index E), and the gathers' backwards drop their
+    # Empty slots sort last (id E), past offs[-1], rows the grouped matmul never reads or writes. They gather their
+    # own token's row and zero bias rows (an appended row at index E), and the gathers' backwards drop their
     # gradients, so whatever those rows hold never reaches a gradient; the combine zeroes their outputs exactly.
-    token = torch.where(sorted_ids < E, order // slots.k, slots.T)
-    restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    x = _TokenRows.gather(hidden_states.to(gate_up_proj.dtype), token, restore, slots.valid, slots.k)
+    token = order // slots.k
+    x = TokenRows.gather(hidden_states.to(gate_up_proj.dtype), token, restore, slots.valid, slots.k)
     h = grouped_linear(x, gate_up_proj, offs)
     if gate_up_bias is not None:
         h = h + _ExpertRows.gather(gate_up_bias, sorted_ids)
     y = grouped_linear(gate(activation, h, I).contiguous(), down_proj, offs)
     if down_bias is not None:
         y = y + _ExpertRows.gather(down_bias, sorted_ids)
-    return combine(_Permute.gather(y, restore, order), slots, top_k_weights, hidden_states.dtype)
+    if takes_grad(y):  # back to slot order through a gather whose backward scatters nothing
+        return combine(_Permute.gather(y, restore, order), slots, top_k_weights, hidden_states.dtype)
+    return combine(y, slots, top_k_weights, hidden_states.dtype, rows=restore)

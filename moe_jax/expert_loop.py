@@ -1,0 +1,228 @@
+"""The expert loop, grouped_mm's CPU kernel: the whole expert MLP per block of sorted rows.
+
+A loop over the experts that received slots. Each expert's rows (slots sorted by expert) go through as few blocks as
+possible: one block of a size from a short list (``block_sizes``) that covers the rows up to a multiple of the
+largest size, then blocks of the largest size. A block gathers its tokens' rows, runs the gate/up matmul, the
+activation and the down matmul with that expert's weights, and adds its rows, times their routing weights, into
+float32 token rows (a scatter-add, in order on the CPU: the same bits on every run). Nothing [T*k, H] is made: each
+temporary is one block's, so the forward allocates no big buffers (fresh memory costs page faults on the CPU).
+
+Differentiated by its own VJP: the forward under differentiation keeps the pre-activations of the sorted rows; the
+backward is the same loop. Per block: the routing weights' gradient (a dot over I of the activation and the output
+gradient through the down weights), the activation's VJP, the input gradient scatter-added into float32 token rows
+(each token's k slots summed in float32), and the weight and bias gradients, summed over an expert's blocks in
+float32 (most experts take one block: nothing to add).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .base import ACTIVATIONS, HIGHEST, gate
+from .grouped_matmul import bits, bits_dtype, from_bits, hit_experts
+
+MAX_BLOCK = 256  # rows per matmul from which XLA:CPU's dot runs at its rate on an expert's weights
+_LADDER = tuple(range(16, MAX_BLOCK + 1, 16))  # block sizes where matmuls are bound by compute
+
+
+def block_sizes(rows: int, experts: int, *, backward: bool = False) -> tuple[int, ...]:
+    """Block sizes, ascending (capped at the rows rounded up to a power of two). With a few rows per expert
+    (decode), matmuls are bound by reading the expert's weights: in the forward, at most two rows per expert on
+    average, one-row blocks (XLA:CPU runs them as a float32 matrix-vector product on the expert's weights converted
+    once, which beats packing them for a matrix product); else, under 16 rows, one size, twice the mean rounded up
+    to a power of two, so that an expert takes one block (in the backward every further block adds to the weight
+    gradients). From 16 rows on, _LADDER: an expert's first block is the smallest size that covers its rows modulo
+    the largest, padding under a third of them; each size costs a loop, so there are few."""
+    mean = max(1, -(-rows // max(experts, 1)))
+    cap = min(MAX_BLOCK, 1 << max(rows - 1, 0).bit_length())
+    if mean <= 2 and not backward:
+        return (1,)
+    if mean < _LADDER[0]:
+        return (min(cap, 2 << (mean - 1).bit_length()),)
+    return tuple(sorted({min(cap, size) for size in _LADDER}))
+
+
+def _cover(start, end, sizes: tuple[int, ...], step: Callable, carry):
+    """``step(row, limit, carry, size=, first=) -> carry`` over the rows [start, end): first one block of the
+    smallest size that covers the rows up to a multiple of the largest size (``limit``: the end of its rows), then
+    blocks of the largest size. Each size is a loop that runs once or not at all (a conditional would copy the
+    carried buffers in and out)."""
+    big = sizes[-1]
+    full = jnp.maximum(end - start - 1, 0) // big
+    head_end = end - full * big
+    which = jnp.sum(jnp.asarray(sizes) < head_end - start)
+    for index, size in enumerate(sizes):
+        once = partial(step, start, head_end, size=size, first=True)
+        carry = lax.while_loop(lambda c, index=index: (c[0] == 0) & (which == index),
+                               lambda c, once=once: (1, once(c[1])), (0, carry))[1]
+    body = lambda j, c: step(head_end + j * big, end, c, size=big, first=False)
+    return lax.fori_loop(0, full, body, carry)
+
+
+def _dot(a, b, contract: tuple[int, int]):
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def _expert(weights, bias, e):
+    """Expert e's weights and bias, sliced as raw bits (a slice of bfloat16 would be computed in float32)."""
+    def pick(a):
+        return None if a is None else from_bits(lax.dynamic_index_in_dim(bits(a), e, 0, keepdims=False), a.dtype)
+    return pick(weights), pick(bias)
+
+
+def _gate_vjp(activation, h, intermediate: int):
+    """(the gate's output, its VJP to h). Named activations differentiate g and u apart and concatenate (the VJP
+    of the two slices of h would add two zero-padded halves, computing the activation's derivative twice)."""
+    if callable(activation):
+        a, vjp = jax.vjp(activation, h)
+        return a, lambda da: vjp(da)[0]
+    a, vjp = jax.vjp(lambda g, u: ACTIVATIONS[activation](g) * u, h[:, :intermediate], h[:, intermediate:])
+    return a, lambda da: jnp.concatenate(vjp(da), axis=1)
+
+
+def _with_bias(y, bias):
+    return y if bias is None else y + bias
+
+
+def _rows(token, weights, row, size: int, limit):
+    """The block's tokens and routing weights, zero for rows past ``limit``."""
+    live = row + jnp.arange(size) < limit
+    return lax.dynamic_slice(token, (row,), (size,)), jnp.where(live, lax.dynamic_slice(weights, (row,), (size,)), 0.)
+
+
+# XLA:CPU computes slices and updates of bfloat16/float16 arrays in float32 and, inside a loop, hoists a float32 copy
+# of a loop-invariant operand (all expert weights) out of it on every call: the invariants ride in the loop state
+# behind an optimization barrier, and buffers are sliced and updated as raw bits (as in moe_jax.grouped_matmul).
+
+def _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, *, activation, tokens: int,
+             keep_pre_activations: bool):
+    """(float32 [T, H] output, the sorted rows' pre-activations as bits, or None)."""
+    E, H, I = down.shape
+    sizes = block_sizes(token.shape[0] - MAX_BLOCK, E)
+    hit, n_hit, starts, ends = hit_experts(group_sizes)
+
+    def expert(carry):
+        i, out, pre, invariant = carry
+        invariant = lax.optimization_barrier(invariant)
+        x, gate_up, down, gate_up_bias, down_bias = invariant
+        e = hit[i]
+        (w1, b1), (w2, b2) = _expert(gate_up, gate_up_bias, e), _expert(down, down_bias, e)
+
+        def step(row, limit, carry, *, size, first):
+            out, pre, x = carry
+            x = lax.optimization_barrier(x)
+            tok, w = _rows(token, weights, row, size, limit)
+            h = _with_bias(_dot(x[tok], w1, (1, 1)).astype(x.dtype), b1)
+            if pre is not None:  # rows past the block's own belong to later blocks, which write them afterwards
+                pre = lax.dynamic_update_slice(pre, bits(h), (row, 0))
+            y = _with_bias(_dot(gate(activation, h, I), w2, (1, 1)).astype(x.dtype), b2)
+            return out.at[tok].add(y.astype(jnp.float32) * w[:, None]), pre, x
+
+        out, pre, x = _cover(starts[e], ends[e], sizes, step, (out, pre, x))
+        return i + 1, out, pre, (x, gate_up, down, gate_up_bias, down_bias)
+
+    out = jnp.zeros((tokens, H), jnp.float32)
+    pre = jnp.zeros((token.shape[0], gate_up.shape[1]), bits_dtype(x.dtype)) if keep_pre_activations else None
+    invariant = (x, gate_up, down, gate_up_bias, down_bias)
+    _, out, pre, _ = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, out, pre, invariant))
+    return out, pre
+
+
+def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, pre, dout, *, activation):
+    E, H, I = down.shape
+    N = gate_up.shape[1]
+    S = token.shape[0] - MAX_BLOCK
+    sizes = block_sizes(S, E, backward=True)
+    hit, n_hit, starts, ends = hit_experts(group_sizes)
+    biased = gate_up_bias is not None
+
+    def expert(carry):
+        i, dx, dweights, grads, invariant = carry
+        invariant = lax.optimization_barrier(invariant)
+        x, dout, pre, gate_up, down, gate_up_bias, down_bias = invariant
+        e = hit[i]
+        (w1, b1), (w2, b2) = _expert(gate_up, gate_up_bias, e), _expert(down, down_bias, e)
+
+        def step(row, limit, carry, *, size, first):
+            dx, dweights, acc, rows = carry
+            rows = lax.optimization_barrier(rows)
+            x, dout, pre = rows
+            tok, w = _rows(token, weights, row, size, limit)
+            w = w[:, None]
+            h = from_bits(lax.dynamic_slice(pre, (row, 0), (size, N)), x.dtype)
+            a, act_vjp = _gate_vjp(activation, h, I)
+            g = dout[tok]
+            t = _dot(g, w2, (1, 0))  # [B, I]: the output gradient through the down weights
+            dw = jnp.sum(t * a.astype(jnp.float32), axis=1)
+            if biased:
+                dw = dw + _dot(g, b2, (1, 0))
+            # rows past the block's own: later blocks write them, empty slots' are dropped outside
+            dweights = lax.dynamic_update_slice(dweights, dw, (row,))
+            gw = (g.astype(jnp.float32) * w).astype(x.dtype)  # zero past the block's rows
+            dh = act_vjp((t * w).astype(a.dtype))
+            terms = (_dot(gw, a, (0, 0)), _dot(dh, x[tok], (0, 0)),
+                     jnp.sum(gw.astype(jnp.float32), axis=0) if biased else None,
+                     jnp.sum(dh.astype(jnp.float32), axis=0) if biased else None)
+            acc = terms if first else jax.tree.map(jnp.add, acc, terms)
+            dx = dx.at[tok].add(_dot(dh, w1, (1, 0)))
+            return dx, dweights, acc, (x, dout, pre)
+
+        zero = (jnp.zeros((H, I), jnp.float32), jnp.zeros((N, H), jnp.float32),
+                jnp.zeros((H,), jnp.float32) if biased else None, jnp.zeros((N,), jnp.float32) if biased else None)
+        dx, dweights, acc, _ = _cover(starts[e], ends[e], sizes, step, (dx, dweights, zero, (x, dout, pre)))
+        # written as raw bits into gradients kept in their dtype: XLA:CPU updates them in place, and they are the
+        # outputs (a buffer of bits would be copied out once more)
+        grads = tuple(None if g is None else from_bits(
+            lax.dynamic_update_index_in_dim(bits(g), bits(a.astype(g.dtype)), e, 0), g.dtype)
+            for g, a in zip(grads, acc))
+        return i + 1, dx, dweights, grads, (x, dout, pre, gate_up, down, gate_up_bias, down_bias)
+
+    grads = tuple(None if a is None else jnp.zeros(a.shape, a.dtype) for a in (down, gate_up, down_bias, gate_up_bias))
+    dx = jnp.zeros(x.shape, jnp.float32)
+    dweights = jnp.zeros(weights.shape, jnp.float32)
+    invariant = (x, dout.astype(x.dtype), pre, gate_up, down, gate_up_bias, down_bias)
+    _, dx, dweights, grads, _ = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, dx, dweights, grads, invariant))
+    d_down, d_gate_up, d_down_b, d_gate_up_b = grads
+    return dx.astype(x.dtype), dweights, d_gate_up, d_down, d_gate_up_b, d_down_b
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _mlp(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, activation, tokens):
+    return _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, activation=activation,
+                    tokens=tokens, keep_pre_activations=False)[0]
+
+
+def _mlp_fwd(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, activation, tokens):
+    out, pre = _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias,
+                        activation=activation, tokens=tokens, keep_pre_activations=True)
+    return out, (x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, pre)
+
+
+def _mlp_bwd(activation, tokens, residuals, dout):
+    x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, pre = residuals
+    dx, dweights, d_gate_up, d_down, d_gate_up_b, d_down_b = _backward(
+        x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, pre, dout, activation=activation)
+    return dx, dweights, None, None, d_gate_up, d_down, d_gate_up_b, d_down_b
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def experts_mlp(x, weights, order, group_sizes, gate_up, down, gate_up_bias, down_bias, *,
+                activation: str | Callable, k: int):
+    """sum over each token's slots of weight * expert MLP, float32 [T, H]. ``x`` [T, H] in the weights' dtype;
+    ``weights`` [S] float32, the sorted slots' routing weights (zero for empty slots); ``order`` [S] the slot of each
+    sorted row; ``group_sizes`` [E] the rows of each expert (empty slots sort last, in no group)."""
+    T, H = x.shape
+    if not T:
+        return jnp.zeros((0, H), jnp.float32)
+    # padded so that a block starting at any row stays in bounds (XLA would shift a dynamic slice back inside)
+    token = jnp.pad(order // k, (0, MAX_BLOCK))
+    weights = jnp.pad(weights, (0, MAX_BLOCK))
+    return _mlp(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, activation, T)
