@@ -150,3 +150,12 @@ def check_multiples(backend: str, multiples: Mapping[str, int], shapes: Mapping[
         if size % multiple:
             raise _fail(arg, f"{dim} a multiple of {multiple} for implementation {backend!r} (shape {legend})",
                         f"shape {tuple(shapes[arg])}, {dim} = {size}")
+
+
+def check_kernel_inputs(backend: str, support, activation, dtype: str, gate_up_shape: tuple[int, ...],
+                        down_shape: tuple[int, ...]) -> None:
+    """What a kernel backend's ``support`` (a spec FrameworkSupport) cannot take raises ValueError before any work:
+    the activation, the weights' dtype, and the dimensions its ``multiples`` constrain."""
+    support.check_activation(backend, activation)
+    support.check_dtype(backend, dtype)
+    check_multiples(backend, support.multiples, {"gate_up_proj": tuple(gate_up_shape), "down_proj": tuple(down_shape)})

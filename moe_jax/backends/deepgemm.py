@@ -21,7 +21,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from moe_shared import load_spec, requirements
 from moe_shared.contiguous_layout import check_alignment, padded_rows
-from moe_shared.contract import check_multiples
+from moe_shared.contract import check_kernel_inputs
 from moe_shared.spec import version_tuple
 
 from .. import torch_bridge
@@ -135,9 +135,7 @@ _experts.defvjp(_experts_fwd, _experts_bwd)
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
-    SUPPORT.check_activation(NAME, activation)
-    SUPPORT.check_dtype(NAME, jnp.dtype(gate_up_proj.dtype).name)
-    check_multiples(NAME, SUPPORT.multiples, {"gate_up_proj": tuple(gate_up_proj.shape),
-                                              "down_proj": tuple(down_proj.shape)})
+    check_kernel_inputs(NAME, SUPPORT, activation, jnp.dtype(gate_up_proj.dtype).name,
+                        gate_up_proj.shape, down_proj.shape)
     return _experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                     activation)

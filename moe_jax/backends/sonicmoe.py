@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.buffer_callback import buffer_callback
 
 from moe_shared import load_spec, requirements, sonic_steps
-from moe_shared.contract import check_multiples
+from moe_shared.contract import check_kernel_inputs
 from moe_shared.spec import version_tuple
 
 from .. import torch_bridge
@@ -118,10 +118,8 @@ _experts.defvjp(_experts_fwd, _experts_bwd)
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
-    SUPPORT.check_activation(NAME, activation)
-    SUPPORT.check_dtype(NAME, jnp.dtype(gate_up_proj.dtype).name)
-    check_multiples(NAME, SUPPORT.multiples, {"gate_up_proj": tuple(gate_up_proj.shape),
-                                              "down_proj": tuple(down_proj.shape)})
+    check_kernel_inputs(NAME, SUPPORT, activation, jnp.dtype(gate_up_proj.dtype).name,
+                        gate_up_proj.shape, down_proj.shape)
     sonic_steps.check_biases(NAME, SUPPORT.details["biases"], down_proj.shape[2], gate_up_bias is not None,
                              down_bias is not None)
     x = hidden_states.astype(gate_up_proj.dtype)

@@ -25,7 +25,7 @@ import torch
 
 from moe_shared import load_spec, requirements
 from moe_shared.contiguous_layout import check_alignment, padded_rows
-from moe_shared.contract import check_multiples
+from moe_shared.contract import check_kernel_inputs
 
 from ..base import Slots, add_bias, combine, dtype_name, gate
 
@@ -100,10 +100,8 @@ def _(a, w, grouped_layout):
 def check_inputs(hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation) -> None:
     """What DeepGEMM's kernels cannot take raises before any work: ValueError for the activation, the weights'
     dtype and the K of each GEMM; RuntimeError under autograd."""
-    SUPPORT.check_activation(NAME, activation)
-    SUPPORT.check_dtype(NAME, dtype_name(gate_up_proj.dtype))
-    check_multiples(NAME, SUPPORT.multiples, {"gate_up_proj": tuple(gate_up_proj.shape),
-                                              "down_proj": tuple(down_proj.shape)})
+    check_kernel_inputs(NAME, SUPPORT, activation, dtype_name(gate_up_proj.dtype),
+                        gate_up_proj.shape, down_proj.shape)
     args = (hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         raise SUPPORT.training_error(NAME, load_spec().trainers("torch"))

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from moe_shared import load_spec, requirements, sonic_steps
-from moe_shared.contract import check_multiples
+from moe_shared.contract import check_kernel_inputs
 
 from ..base import dtype_name
 
@@ -136,10 +136,8 @@ sonicmoe_experts_train.register_autograd(_backward, setup_context=_setup_context
 def check_inputs(gate_up_proj, down_proj, gate_up_bias, down_bias, activation) -> None:
     """What SonicMoE's kernels cannot take raises ValueError before any work: the activation, the weights' dtype,
     H and I (multiples of 8), biases on a small I."""
-    SUPPORT.check_activation(NAME, activation)
-    SUPPORT.check_dtype(NAME, dtype_name(gate_up_proj.dtype))
-    check_multiples(NAME, SUPPORT.multiples, {"gate_up_proj": tuple(gate_up_proj.shape),
-                                              "down_proj": tuple(down_proj.shape)})
+    check_kernel_inputs(NAME, SUPPORT, activation, dtype_name(gate_up_proj.dtype),
+                        gate_up_proj.shape, down_proj.shape)
     sonic_steps.check_biases(NAME, SUPPORT.details["biases"], down_proj.shape[2], gate_up_bias is not None,
                              down_bias is not None)
 
