@@ -35,6 +35,7 @@ class Timing:
     min_reps: int = 3
     max_reps: int = 100
     min_time: float = 0.2  # seconds of timed calls per point, within [min_reps, max_reps]
+    stream_rounds: int = 5  # back-to-back rounds over the input sets, after the calls timed alone
 
 
 @dataclass
@@ -43,10 +44,15 @@ class Measurement:
     peak_mem_gib: float | None
     output: np.ndarray  # forward output on input set 0, float32
     run_s: float  # wall time of warm-up and timing, without one-off compilation
+    stream_ms: list[float] = ()  # per call, each sample a round of calls issued back to back
 
     @property
     def median_ms(self) -> float:
         return statistics.median(self.ms)
+
+    @property
+    def median_stream_ms(self) -> float | None:
+        return statistics.median(self.stream_ms) if self.stream_ms else None
 
 
 Variant = str | None
@@ -113,6 +119,15 @@ class Runner(ABC):
         self.finish(result)
         return (time.perf_counter() - t0) * 1e3, result
 
+    def clock_stream(self, call: Callable[[int], Any], n: int) -> float:
+        """Milliseconds per call of ``n`` calls issued back to back (inputs 0..n-1), waited for once at the end: the
+        host work of a call overlaps the device work of the one before, as between the layers of a model."""
+        t0 = time.perf_counter()
+        results = [call(i) for i in range(n)]
+        for result in results:
+            self.finish(result)
+        return (time.perf_counter() - t0) * 1e3 / n
+
     def start_memory(self) -> None:
         """Called after the warm-up, before the timed calls."""
 
@@ -140,7 +155,9 @@ class Runner(ABC):
             samples.append(ms)
             if len(samples) == 1:
                 output = self.forward_output(result)
-        return Measurement(samples, self.peak_memory_gib(), output, run_s=time.perf_counter() - setup_end)
+        peak = self.peak_memory_gib()
+        stream = [self.clock_stream(call, n_sets) for _ in range(timing.stream_rounds)]
+        return Measurement(samples, peak, output, run_s=time.perf_counter() - setup_end, stream_ms=stream)
 
 
 def requested_modes(compile_mode: str, allowed: Collection[str]) -> list[str]:
@@ -264,6 +281,17 @@ class TorchRunner(Runner):
         end.record()
         end.synchronize()
         return start.elapsed_time(end), result
+
+    def clock_stream(self, call, n):
+        if self.device.type != "cuda":
+            return super().clock_stream(call, n)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        results = [call(i) for i in range(n)]
+        end.record()
+        end.synchronize()
+        del results
+        return start.elapsed_time(end) / n
 
     def start_memory(self):
         if self.device.type == "cuda":

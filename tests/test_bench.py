@@ -27,7 +27,7 @@ RECORD_TYPES = {
     "framework": str, "backend": str, "library": str, "peer": bool, "config": str, "hidden": int,
     "intermediate": int, "experts": int, "top_k": int, "tokens": int, "dtype": str, "mode": str, "compiled": bool,
     "compile_mode": (str, type(None)), "ms": float, "floor_ms": float, "tflops": float,
-    "peak_mem_gib": (float, type(None)), "rel_err": float,
+    "peak_mem_gib": (float, type(None)), "rel_err": float, "stream_ms": float,
 }
 META_TYPES = {
     "device": str, "torch": str, "jax": (str, type(None)), "triton": (str, type(None)),
@@ -39,7 +39,7 @@ META_TYPES = {
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["--config", "tiny", "--tokens", "1,8", "--device", "cpu", "--out", str(out), "--min-reps", "1",
-            "--max-reps", "2", "--min-time", "0", "--sets", "2"]
+            "--max-reps", "2", "--min-time", "0", "--sets", "2", "--stream-rounds", "2"]
     assert main(argv) == 0
     (folder,) = out.iterdir()
     assert folder.name.startswith("cpu-") and folder.name.endswith("core")
@@ -73,7 +73,7 @@ def test_smoke_json_schema(smoke):
             assert isinstance(r[key], kind) and not (kind is int and isinstance(r[key], bool)), (key, r[key])
         assert r["config"] == "tiny" and r["tokens"] in (1, 8) and r["dtype"] == "bfloat16"
         assert r["mode"] in roofline.MODES
-        assert r["ms"] > 0 and r["floor_ms"] > 0 and r["tflops"] > 0
+        assert r["ms"] > 0 and r["stream_ms"] > 0 and r["floor_ms"] > 0 and r["tflops"] > 0
         assert r["rel_err"] <= SPEC.tolerance_for("bfloat16")
         assert r["peer"] == (r["backend"] in peers.PEERS)
         assert r["library"] == (peers.PEERS[r["backend"]].library if r["peer"] else f"moe_{r['framework']}")
