@@ -349,3 +349,26 @@ def test_progress_falls_back_without_tqdm(monkeypatch, capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "tqdm is not installed" in err and "[2/2] a" in err and "note" in err
+
+
+def test_profile_reports_each_points_ops(tmp_path, capsys):
+    from bench import profile
+
+    out = tmp_path / "profile.json"
+    assert profile.main(["--device", "cpu", "--config", "tiny", "--tokens", "2", "--modes", "fwd",
+                         "--backends", "batched_mm,transformers:grouped_mm", "--calls", "2", "--out", str(out)]) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [(p["backend"], p["tokens"], p["mode"]) for p in points] == [("batched_mm", 2, "fwd"),
+                                                                      ("transformers:grouped_mm", 2, "fwd")]
+    ops = {p["backend"]: {r["op"]: r for r in p["ops"]} for p in points}
+    assert ops["batched_mm"]["aten::bmm"]["count"] == 2  # one per projection, per call
+    assert "aten::_grouped_mm" in ops["transformers:grouped_mm"] and "aten::bmm" not in ops["transformers:grouped_mm"]
+    assert all(p["host_ms"] > 0 for p in points)
+    assert "batched_mm fwd: host" in capsys.readouterr().out
+
+
+def test_profile_names_an_unknown_backend():
+    from bench import profile
+
+    with pytest.raises(SystemExit, match="--backends: 'nope'"):
+        profile.main(["--device", "cpu", "--config", "tiny", "--tokens", "1", "--backends", "nope"])

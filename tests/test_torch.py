@@ -494,3 +494,43 @@ def test_compiled_grouped_mm_backward_has_no_atomics():
     _, (forward_code, backward_code) = run_and_get_code(
         lambda: fn(**tensors).backward(to_torch({"g": dy}, "bfloat16")["g"]))
     assert "atomic_add" not in forward_code and "atomic_add" not in backward_code
+
+
+# --- batched_mm's weight gradient -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_mm_k_grouped_weight_grad_matches_the_reference(dtype, monkeypatch):
+    """The CUDA weight gradient (one K-grouped F.grouped_mm over the slots sorted by expert), run on the CPU: an idle
+    expert, empty slots and biases against the float64 reference, with no accumulating scatter for the weights."""
+    from moe_shared import reference
+    from moe_torch.backends import batched_mm
+
+    monkeypatch.setattr(batched_mm, "_K_GROUPED_WEIGHT_GRAD", ("cpu",))
+    idle = 4
+    for bias in (False, True):
+        arrays, dy = random_case(15, T=21, H=16, I=8, E=9, k=2, bias=bias, empty_fraction=0.2)
+        arrays["top_k_index"] = np.where(arrays["top_k_index"] == idle, -1, arrays["top_k_index"])
+        tensors = to_torch(arrays, dtype, requires_grad=True)
+        out = experts_forward(**tensors, implementation="batched_mm")
+        with _AccumulatingOps() as recorder:
+            out.backward(to_torch({"g": dy}, dtype)["g"])
+        assert recorder.ops.count("_grouped_mm") == 2 and "grouped_weight_grad" not in recorder.ops
+        assert bias or recorder.accumulating == []  # (the biases' row gathers add their gradients at indices)
+    expected = reference.experts_backward(**arrays, grad_output=dy)
+    for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias", "hidden_states", "top_k_weights"):
+        assert_close(f"grad_{name}", tensors[name].grad.float(), expected[name], dtype)
+    assert not tensors["gate_up_proj"].grad[idle].any() and not tensors["down_proj"].grad[idle].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, K", [(16, 8), (10, 18), (24, 32)])
+def test_k_grouped_predicate_agrees_with_the_op(dtype, N, K):
+    grad, a = torch.randn(10, N, dtype=dtype), torch.randn(10, K, dtype=dtype)
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)
+    loop = grouped_mm_backend.grouped_weight_grad(grad, a, offs, 3)
+    if grouped_mm_backend.k_grouped_supported(grad, a):
+        native = torch.nn.functional.grouped_mm(grad.t(), a, offs=offs)
+        torch.testing.assert_close(native.float(), loop.float(), rtol=1e-2, atol=1e-2)
+    else:
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.grouped_mm(grad.t(), a, offs=offs)

@@ -42,6 +42,17 @@ def native_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
     return column_major or row_major
 
 
+def k_grouped_supported(grad: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether F.grouped_mm takes ``grad.t()`` [N, R] and ``a`` [R, K] as they are (the K-grouped form: one
+    [N, K] product per row group, the weight gradient of a grouped matmul)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    allowed = _COMPILED_NATIVE_DTYPES if torch.compiler.is_compiling() else NATIVE_DTYPES.get(a.device.type, ())
+    if a.dtype not in allowed or grad.dtype != a.dtype:
+        return False
+    return grad.stride(-1) == 1 and a.stride(-1) == 1 and _aligned(grad, 0) and _aligned(a, 0)
+
+
 @torch.library.custom_op("moe_torch::grouped_mm_loop", mutates_args=())
 def grouped_mm_loop(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ w[e].T for the row ranges ending at offs; rows past offs[-1] are zero."""

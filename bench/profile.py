@@ -1,0 +1,130 @@
+"""Where one torch call spends its time: kernels launched, their device time, and the host time per call.
+
+    python -m bench.profile --config qwen3-30b-a3b --tokens 1,4 --backends batched_mm,transformers:batched_mm
+    python -m bench.profile --device cpu --config tiny --tokens 4 --modes fwd --out profile.json
+
+For each point (config x tokens x backend x mode, uncompiled, the benchmark's inputs and calls), after a warm-up:
+``host_ms`` is the host time per call with the calls issued back to back and no sync between them (on CUDA the
+launch path: argument checks, Python, dispatch); then ``--calls`` calls run under ``torch.profiler`` and each op is
+reported per call: its count, its own host time, and on CUDA its kernels' device time (``kernels``: launches per
+call). The table prints the top ``--top`` entries by device time (host time on CPU); ``--out`` writes them all as
+JSON. Compare a backend with its transformers peer on the same inputs to see which ops make a difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .configs import get_configs, parse_tokens
+from .inputs import make_sets, make_weights
+from .runners import TorchRunner
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_ms(call, n_sets: int, calls: int, device: torch.device) -> float:
+    """Host time per call, ``calls`` calls issued back to back over the input sets, synced once after."""
+    _sync(device)
+    start = time.perf_counter()
+    results = [call(i % n_sets) for i in range(calls)]
+    elapsed = time.perf_counter() - start
+    _sync(device)
+    del results
+    return elapsed * 1e3 / calls
+
+
+def op_table(call, n_sets: int, calls: int, device: torch.device) -> list[dict]:
+    """Per op (its own time, without its children), per call: count, host ms, device ms of its kernels."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(calls):
+            call(i % n_sets)
+        _sync(device)
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", 0) or 0
+        rows.append({"op": e.key, "count": e.count / calls, "host_ms": e.self_cpu_time_total / 1e3 / calls,
+                     "device_ms": device_us / 1e3 / calls})
+    return sorted(rows, key=lambda r: (r["device_ms"], r["host_ms"]), reverse=True)
+
+
+def kernel_launches(rows: Sequence[dict]) -> float:
+    """Kernels launched per call (cudaLaunchKernel and its relatives)."""
+    return sum(r["count"] for r in rows if "LaunchKernel" in r["op"] or r["op"].startswith("cuLaunch"))
+
+
+def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, calls: int) -> dict:
+    call = runner.build(backend, mode, None)
+    for i in range(2 * n_sets):  # warm-up (allocator, caches, lazy imports)
+        call(i % n_sets)
+    host = host_ms(call, n_sets, calls, runner.device)
+    rows = op_table(call, n_sets, calls, runner.device)
+    return {"backend": backend, "mode": mode, "host_ms": host, "kernels": kernel_launches(rows),
+            "device_ms": sum(r["device_ms"] for r in rows), "ops": rows}
+
+
+def render(point: dict, top: int) -> str:
+    lines = [f"{point['config']} T={point['tokens']} {point['backend']} {point['mode']}: host {point['host_ms']:.3f} "
+             f"ms/call, {point['kernels']:.0f} kernel launches/call, device {point['device_ms']:.3f} ms/call"]
+    for r in point["ops"][:top]:
+        lines.append(f"  {r['device_ms']:9.4f} dev ms  {r['host_ms']:9.4f} host ms  {r['count']:6.1f}x  {r['op'][:90]}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", default="1,4")
+    p.add_argument("--backends", default="batched_mm,transformers:batched_mm,grouped_mm,transformers:grouped_mm")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--sets", type=int, default=3)
+    p.add_argument("--calls", type=int, default=10, help="calls profiled (and timed for host_ms) per point")
+    p.add_argument("--top", type=int, default=12, help="ops printed per point")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="write every point's full op table here (JSON)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    runner = TorchRunner(device)
+    available = runner.availability()
+    points = []
+    for cfg in get_configs(args.config):
+        weights = make_weights(cfg, DTYPES[args.dtype], device, args.seed)
+        for tokens in parse_tokens(args.tokens):
+            runner.load(weights, make_sets(cfg, tokens, DTYPES[args.dtype], device, args.seed, args.sets))
+            for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+                if backend not in available:
+                    raise SystemExit(f"--backends: {backend!r} is not a torch backend or peer; "
+                                     f"expected one of {sorted(available)}")
+                if available[backend] is not None:
+                    print(f"skipped {backend}: {available[backend]}", file=sys.stderr)
+                    continue
+                for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+                    point = {"config": cfg.name, "tokens": tokens} | profile_point(runner, backend, mode, args.sets,
+                                                                                    args.calls)
+                    points.append(point)
+                    print(render(point, args.top), flush=True)
+            runner.release()
+    if args.out is not None:
+        args.out.write_text(json.dumps({"device": str(device), "points": points}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
