@@ -54,7 +54,9 @@ class ExpertShardedParam(nnx.Param):
 
 
 class Experts(nnx.Module):
-    """E gated-MLP experts run by a named backend (or "auto").
+    """E gated-MLP experts run by a named backend, or by default "auto": at each trace, batched_mm while the
+    routed slots T*k are at most the spec's decode threshold for the device (decode sizes on a GPU; never on the
+    CPU), grouped_mm beyond it (on a GPU the Triton grouped kernel).
 
     ``__call__(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``. ``dtype`` is the
     computation dtype (None: the parameters'); ``param_dtype`` the storage dtype of the parameters.
@@ -66,7 +68,7 @@ class Experts(nnx.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 activation: str | Callable = "silu", bias: bool = False, backend: str = "grouped_mm",
+                 activation: str | Callable = "silu", bias: bool = False, backend: str = AUTO,
                  dtype=None, param_dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
                  expert_axis: str = "expert", capacity_factor: float | None = None, rngs: nnx.Rngs):
         for arg, value in (("num_experts", num_experts), ("hidden_size", hidden_size),

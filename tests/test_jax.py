@@ -274,7 +274,7 @@ class _Model(nnx.Module):
 def test_flax_set_and_get_backend():
     model = _Model(nnx.Rngs(0))
     snapshot = flax_moe.get_backend(model)
-    assert snapshot == {"": None, "text.0": "grouped_mm", "text.1": "grouped_mm", "vision": "eager"}
+    assert snapshot == {"": None, "text.0": "auto", "text.1": "auto", "vision": "eager"}  # "auto" by default
     flax_moe.set_backend(model, "batched_mm")
     assert set(flax_moe.get_backend(model).values()) == {"batched_mm"}
     flax_moe.set_backend(model, {"": "grouped_mm", "text.1": "auto"})
