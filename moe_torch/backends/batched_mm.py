@@ -10,14 +10,12 @@ gradient; on CUDA one K-grouped ``F.grouped_mm``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..base import Slots, add_bias, combine, gate, takes_grad
-from .grouped_mm import grouped_weight_grad, k_grouped_supported
+from .grouped_mm import grouped_weight_grad
 
 NAME = "batched_mm"
 _CHUNK_BYTES = {"cpu": 4 << 20}  # gathered weights per torch.bmm; one bmm for every slot on other devices
-_K_GROUPED_WEIGHT_GRAD = ("cuda",)  # devices whose weight gradient is one F.grouped_mm (on the CPU the loop is faster)
 
 
 def _chunks(slots: int, table: torch.Tensor) -> list[slice]:
@@ -41,16 +39,12 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
 def _table_grad(grad: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """sum over the slots s of expert e of grad[s] x[s]^T, for every e ([E, N, K]): the slots sorted by expert, one
     matmul per expert over its rows (float32 accumulation, rounded once; zero for an idle expert; no [T*k, N, K]
-    gradient and nothing accumulated across calls). Off the CPU, one K-grouped F.grouped_mm where it takes the
-    rows (no host sync), else the per-expert loop (one host sync)."""
+    gradient and nothing accumulated across calls; on CUDA one K-grouped F.grouped_mm, see grouped_weight_grad)."""
     E = table.shape[0]
     sorted_ids, order = torch.sort(ids, stable=True)
     bounds = torch.arange(1, E + 1, dtype=sorted_ids.dtype, device=sorted_ids.device)
     offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
-    grad_rows, x_rows = grad.index_select(0, order), x.index_select(0, order)
-    if grad.device.type in _K_GROUPED_WEIGHT_GRAD and k_grouped_supported(grad_rows, x_rows):
-        return F.grouped_mm(grad_rows.t(), x_rows, offs=offs)
-    return grouped_weight_grad(grad_rows, x_rows, offs, E)
+    return grouped_weight_grad(grad.index_select(0, order), x.index_select(0, order), offs, E)
 
 
 class _SlotLinear(torch.autograd.Function):

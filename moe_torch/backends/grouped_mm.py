@@ -18,6 +18,7 @@ NAME = "grouped_mm"
 NATIVE_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 _COMPILED_NATIVE_DTYPES = (torch.bfloat16,)  # what inductor lowers grouped_mm for
 _ALIGN = 16  # bytes: grouped_mm needs 16-byte aligned strides and base pointers
+K_GROUPED_DEVICES = ("cuda",)  # grouped_weight_grad as one F.grouped_mm (on the CPU the per-expert loop is faster)
 
 
 def _aligned(t: torch.Tensor, *dims: int) -> bool:
@@ -73,7 +74,11 @@ def _(a, w, offs):
 @torch.library.custom_op("moe_torch::grouped_weight_grad", mutates_args=())
 def grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E, N, K]: grad[rows of e].T @ a[rows of e] for the row ranges ending at offs (one matmul each, float32
-    accumulation), zero for experts without rows; nothing accumulates across calls (the same bits every run)."""
+    accumulation), zero for experts without rows; nothing accumulates across calls (the same bits every run). On the
+    devices of ``K_GROUPED_DEVICES`` one K-grouped F.grouped_mm where it takes the rows (no host sync; opaque to
+    torch.compile, which could otherwise lay the transposed rows out unaligned), else a loop (one host sync)."""
+    if grad.device.type in K_GROUPED_DEVICES and k_grouped_supported(grad, a):
+        return F.grouped_mm(grad.t(), a, offs=offs)
     out = grad.new_empty(num_experts, grad.shape[1], a.shape[1])
     start = 0
     for e, end in enumerate(offs.tolist()):  # one host sync for the whole loop
