@@ -1,7 +1,8 @@
 """Memory and time estimates of a point, to skip the ones that cannot fit or would take silly long.
 
 The estimate is the roofline cost plus what a backend adds: batched_mm gathers a copy of an expert's weights
-per routed slot; JAX ragged_dot on CPU expands to a dense masked matmul of every slot against every expert.
+per routed slot (moe_torch's one projection at a time, on the CPU in small chunks; transformers' and JAX's both,
+kept for the backward); JAX ragged_dot on CPU expands to a dense masked matmul of every slot against every expert.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moe_torch.backends.batched_mm import CHUNK_BYTES
+
 from . import roofline
 from .configs import Config
 
 GIB = 2**30
+BATCHED_MM_CPU_CHUNK_BYTES = CHUNK_BYTES["cpu"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,22 @@ class Extra:
 
 
 def _batched_gather(s: Shape) -> Extra:
+    """Both projections' weights gathered per slot and kept for the backward, with a gradient of the same size."""
     gathered = s.slots * s.expert_bytes
     return Extra(memory=gathered * (2 if s.backward else 1), bytes=3 * gathered * (2 if s.backward else 1))
+
+
+def _torch_batched_gather(s: Shape) -> Extra:
+    """moe_torch batched_mm: one projection's weights gathered at a time (the gate/up one, 2/3 of an expert), again
+    in the backward instead of kept; nothing per slot in the weight gradient."""
+    traffic = 3 * s.slots * s.expert_bytes * (2 if s.backward else 1)
+    return Extra(memory=s.slots * s.expert_bytes * 2 / 3, bytes=traffic)
+
+
+def _torch_batched_chunks(s: Shape) -> Extra:
+    """moe_torch batched_mm on the CPU: the gathered weights in chunks of a few MB."""
+    return Extra(memory=min(s.slots * s.expert_bytes, BATCHED_MM_CPU_CHUNK_BYTES),
+                 bytes=3 * s.slots * s.expert_bytes * (2 if s.backward else 1))
 
 
 def _dense_masked(s: Shape) -> Extra:
@@ -54,6 +72,9 @@ def _dense_masked(s: Shape) -> Extra:
 # (framework, backend, device class) -> extra cost; "*" matches any
 EXTRAS: dict[tuple[str, str, str], Callable[[Shape], Extra]] = {
     ("*", "batched_mm", "*"): _batched_gather,
+    ("torch", "batched_mm", "*"): _torch_batched_gather,
+    ("torch", "batched_mm", "cpu"): _torch_batched_chunks,
+    ("torch", "transformers:batched_mm", "*"): _batched_gather,
     ("jax", "ragged_dot", "cpu"): _dense_masked,
 }
 

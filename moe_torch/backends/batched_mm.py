@@ -15,11 +15,11 @@ from ..base import Slots, add_bias, combine, gate, takes_grad
 from .grouped_mm import grouped_weight_grad
 
 NAME = "batched_mm"
-_CHUNK_BYTES = {"cpu": 4 << 20}  # gathered weights per torch.bmm; one bmm for every slot on other devices
+CHUNK_BYTES = {"cpu": 4 << 20}  # gathered weights per torch.bmm; one bmm for every slot on other devices
 
 
 def _chunks(slots: int, table: torch.Tensor) -> list[slice]:
-    limit = _CHUNK_BYTES.get(table.device.type)
+    limit = CHUNK_BYTES.get(table.device.type)
     size = slots if limit is None else max(1, limit // max(1, table[0].numel() * table.element_size()))
     return [slice(start, start + size) for start in range(0, slots, max(size, 1))]
 
