@@ -386,3 +386,88 @@ def test_launch_cache_reuses_the_compiled_kernel_only_for_the_same_specializatio
     assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit"]
     assert calls[0][3] == {"num_warps": 4, "num_stages": 2, "B": 2}
     assert calls[1][1] == (3, 1, 1) and calls[1][2][3:] == (2, 7)
+
+
+def _described_run(arrays, grad_output, transposed: bool):
+    """Output and gradients through the torch binding, weights stored as given or transposed ([E, H, 2I] and
+    [E, I, H] storage viewed as the contract's shapes), and the plans' grouped GEMM B_DESC codes."""
+    ts = to_torch(arrays, "bfloat16")
+    if transposed:
+        for name in ("gate_up_proj", "down_proj"):
+            ts[name] = ts[name].transpose(1, 2).contiguous().transpose(1, 2)
+    for t in ts.values():
+        if t.is_floating_point():
+            t.requires_grad_(True)
+    out = torch_triton_backend.experts_forward(**ts)
+    out.backward(torch.from_numpy(np.asarray(grad_output, np.float32)).to(torch.bfloat16))
+    result = {"out": out.detach().double().numpy()}
+    result |= {n: t.grad.double().numpy() for n, t in ts.items() if n in DIFF_ARGS}
+    problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
+                                              ts["down_proj"], ts["gate_up_bias"], ts["down_bias"], "silu")
+    steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
+    return result, [s.constants["B_DESC"] for s in steps if s.kernel == "grouped_gemm_kernel"]
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["stored", "transposed"])
+def test_weight_tiles_through_tensor_descriptors_give_the_same_bits(transposed, monkeypatch):
+    """TMA=True loads the weight tiles through tensor descriptors (rows of n where k is contiguous, rows of k where
+    n is): the same tiles, so the same bits as the masked pointer loads, forward and backward."""
+    arrays, grad_output = random_case(10, T=40, H=32, I=16, E=3, k=2, bias=True, empty_fraction=0.1)
+    monkeypatch.setattr(torch_triton_backend, "tensor_descriptors_allowed", lambda *weights: True)
+    shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
+    try:
+        for kernel, N, K in shapes:
+            plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16)
+        plans.clear_caches()
+        plain, plain_codes = _described_run(arrays, grad_output, transposed)
+        for kernel, N, K in shapes:
+            plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16, TMA=True)
+        plans.clear_caches()
+        described, codes = _described_run(arrays, grad_output, transposed)
+    finally:
+        plans.OVERRIDES.clear()
+        plans.clear_caches()
+    k_rows, n_rows = plans.B_K_ROWS, plans.B_N_ROWS
+    assert plain_codes == [plans.B_POINTERS] * 4
+    # forward gate_up, down; backward dgrad_down, dgrad_up (the transposed weights swap the orientations)
+    assert codes == ([n_rows, n_rows, k_rows, k_rows] if transposed else [k_rows, k_rows, n_rows, n_rows])
+    for name in plain:
+        np.testing.assert_array_equal(described[name], plain[name], err_msg=name)
+
+
+def test_tensor_descriptors_need_a_layout_that_fits():
+    problem = plans.Problem(T=8, H=24, I=20, E=3, k=2, activation="silu", dtype="bfloat16",
+                            gate_up_strides=(40 * 24, 24, 1), down_strides=(24 * 20, 20, 1), tma=True)
+    cfg = plans.TileConfig(BM=16, BN=16, BK=16, TMA=True)
+    assert plans._b_descriptor(problem, cfg, (40 * 24, 1, 24), 24)["B_DESC"] == plans.B_K_ROWS  # 48-byte rows
+    assert plans._b_descriptor(problem, cfg, (24 * 20, 1, 20), 20)["B_DESC"] == plans.B_POINTERS  # 40-byte rows
+    assert plans._b_descriptor(problem, cfg, (24 * 20 + 8, 1, 24), 24)["B_DESC"] == plans.B_POINTERS  # a gap
+    assert plans._b_descriptor(problem, cfg, (40 * 24, 2, 48), 24)["B_DESC"] == plans.B_POINTERS  # no unit stride
+    off = plans.Problem(**{**problem.__dict__, "tma": False})
+    assert plans._b_descriptor(off, cfg, (40 * 24, 1, 24), 24)["B_DESC"] == plans.B_POINTERS
+    assert plans._b_descriptor(problem, plans.TileConfig(), (40 * 24, 1, 24), 24)["B_DESC"] == plans.B_POINTERS
+
+
+def test_jax_binding_reads_weights_through_descriptors_when_allowed(monkeypatch):
+    """Off by default in JAX (``TENSOR_DESCRIPTORS``); allowed, its kernels give torch's bits."""
+    arrays, grad_output = random_case(11, T=24, H=32, I=16, E=3, k=2, bias=False)
+    shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
+    try:
+        for kernel, N, K in shapes:
+            plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16, TMA=True)
+        plans.clear_caches()
+        values = to_jax(arrays, "bfloat16")
+        problem = jax_triton_backend.problem_of(values["hidden_states"], values["top_k_index"],
+                                                values["gate_up_proj"], values["down_proj"], None, None, "silu")
+        assert {s.constants["B_DESC"] for s in plans.forward_plan(problem).steps
+                if s.kernel == "grouped_gemm_kernel"} == {plans.B_POINTERS}
+        monkeypatch.setattr(jax_triton_backend, "TENSOR_DESCRIPTORS", True)
+        described = jax_run(arrays, "bfloat16", grad_output)
+        plans.clear_caches()
+        monkeypatch.setattr(jax_triton_backend, "TENSOR_DESCRIPTORS", False)
+        plain = jax_run(arrays, "bfloat16", grad_output)
+    finally:
+        plans.OVERRIDES.clear()
+        plans.clear_caches()
+    for name in plain:
+        np.testing.assert_array_equal(described[name], plain[name], err_msg=name)

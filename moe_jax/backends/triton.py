@@ -80,6 +80,11 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+TENSOR_DESCRIPTORS = False
+"""Whether the kernels may read the weights through tensor descriptors. Off: jaxlib up to 0.11.0 launches Triton
+kernels with a null global-scratch pointer, where device-side descriptors live; not yet verified on a later one."""
+
+
 def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                deterministic: bool = True) -> plans.Problem:
     E, H, I = down_proj.shape
@@ -89,7 +94,7 @@ def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias,
         down_strides=_contiguous_strides(down_proj.shape),
         gate_up_bias_stride=None if gate_up_bias is None else gate_up_bias.shape[1],
         down_bias_stride=None if down_bias is None else down_bias.shape[1], device=_device_name(),
-        deterministic=deterministic)
+        deterministic=deterministic, tma=TENSOR_DESCRIPTORS)
 
 
 def run_plan(plan: plans.Plan, env: dict, dtypes: dict | None = None) -> dict:

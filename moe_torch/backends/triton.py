@@ -32,6 +32,16 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+def tensor_descriptors_allowed(*weights: torch.Tensor) -> bool:
+    """Whether the kernels may read these weights through tensor descriptors: on CUDA, 16-byte aligned (their
+    workspace comes from torch's allocator, ``run_plan``)."""
+    return all(w.device.type == "cuda" and w.data_ptr() % 16 == 0 for w in weights)
+
+
+def _descriptor_workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                deterministic: bool = True) -> plans.Problem:
     E, H, I = down_proj.shape
@@ -41,7 +51,8 @@ def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias,
         gate_up_strides=tuple(gate_up_proj.stride()), down_strides=tuple(down_proj.stride()),
         gate_up_bias_stride=None if gate_up_bias is None else gate_up_bias.stride(0),
         down_bias_stride=None if down_bias is None else down_bias.stride(0),
-        device=_device_name(x.device), deterministic=deterministic)
+        device=_device_name(x.device), deterministic=deterministic,
+        tma=tensor_descriptors_allowed(gate_up_proj, down_proj))
 
 
 def _dtypes(env) -> dict:
@@ -56,6 +67,9 @@ def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None
     dtypes = _DTYPE_ROLES | (dtypes or _dtypes(env))
     device = next(iter(env.values())).device
     kernels = _kernels() if any(step.grid for step in plan.steps) else None
+    if any(step.constants.get("B_DESC") for step in plan.steps):
+        import triton
+        triton.set_allocator(_descriptor_workspace)  # a context variable: set in the thread that launches
     for step in plan.steps:
         outputs = [(torch.zeros if (i in step.zeroed or not step.grid) else torch.empty)(
             b.shape, dtype=dtypes[b.dtype], device=device) for i, b in enumerate(step.outputs)]

@@ -17,6 +17,8 @@ import triton.language as tl
 # ACTIVATION and EPILOGUE codes (globals a kernel reads must be constexpr)
 SILU, GELU, RELU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 PLAIN, GATED_FORWARD, GATED_BACKWARD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# B_DESC codes: weight tiles through masked pointers, or a tensor descriptor whose rows are n, or k
+B_POINTERS, B_K_ROWS, B_N_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -129,6 +131,7 @@ def grouped_gemm_kernel(
     ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
+    B_DESC: tl.constexpr = 0, B_ROWS: tl.constexpr = 0, B_COLS: tl.constexpr = 0,
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
@@ -141,6 +144,11 @@ def grouped_gemm_kernel(
     K masks. Grid: one program per (row block, N tile) over ``ROW_BLOCKS``, a static upper bound of row blocks
     (blocks past the last expert's return at once), ``GROUP_M`` row blocks at a time over every N tile so that
     they share each weight tile in L2. DOT_PRECISION is "ieee" for float32 operands (no TF32).
+    ``B_DESC`` loads the weight tiles through a tensor descriptor (TMA on Hopper) over the weights as one 2-D array,
+    ``B_ROWS`` rows per expert of ``B_COLS`` columns: B_K_ROWS when B[e] is stored with k contiguous (stride_bk ==
+    1; a row per n), B_N_ROWS with n contiguous (stride_bn == 1; a row per k); B_POINTERS loads them through
+    masked pointers. A descriptor tile may run past N into the next rows or columns: those outputs are never
+    stored; past the array it reads zeros.
     """
     pid = tl.program_id(0)
     num_n: tl.constexpr = (N + BN - 1) // BN
@@ -168,6 +176,14 @@ def grouped_gemm_kernel(
     b_ptrs = b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     if SCALE_A or ACCUMULATE:
         scale = tl.load(scale_ptr + slot, mask=live, other=0.0).to(tl.float32)
+    if B_DESC == B_K_ROWS:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * B_ROWS, B_COLS], strides=[stride_bn, 1],
+                                           block_shape=[BN, BK])
+        b_row = e * B_ROWS + n_tile * BN
+    elif B_DESC == B_N_ROWS:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * B_ROWS, B_COLS], strides=[stride_bk, 1],
+                                           block_shape=[BK, BN])
+        b_row = e * B_ROWS
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -182,10 +198,20 @@ def grouped_gemm_kernel(
         if SCALE_A:
             a = a.to(tl.float32) * scale[:, None]
         a = a.to(b_ptr.dtype.element_ty)
-        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if B_DESC == B_K_ROWS:
+            b = b_desc.load([b_row, k0]).T
+        elif B_DESC == B_N_ROWS:
+            b = b_desc.load([b_row + k0, n_tile * BN])
+        else:
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if EPILOGUE == GATED_FORWARD:
-            b_up = tl.load(b_ptrs + GATE_OFFSET * stride_bn, mask=b_mask, other=0.0)
+            if B_DESC == B_K_ROWS:
+                b_up = b_desc.load([b_row + GATE_OFFSET, k0]).T
+            elif B_DESC == B_N_ROWS:
+                b_up = b_desc.load([b_row + k0, GATE_OFFSET + n_tile * BN])
+            else:
+                b_up = tl.load(b_ptrs + GATE_OFFSET * stride_bn, mask=b_mask, other=0.0)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BK
         b_ptrs += BK * stride_bk

@@ -67,6 +67,7 @@ class Problem:
     down_bias_stride: int | None = None
     device: str = "default"
     deterministic: bool = True
+    tma: bool = False  # the binding launches kernels with tensor descriptors (a global-scratch allocator, aligned weights)
 
     @property
     def S(self) -> int:
@@ -89,6 +90,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     GROUP_M: int = 1  # row blocks that take the N tiles together (row-block kernels)
+    TMA: bool = False  # grouped GEMMs: the weight tiles through a tensor descriptor where the binding allows it
 
 
 def _pow2(n: int) -> int:
@@ -206,6 +208,31 @@ def _row_blocks(S: int, E: int, BM: int) -> int:
     return _cdiv(S, BM) + min(E, S)
 
 
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+B_POINTERS, B_K_ROWS, B_N_ROWS = 0, 1, 2  # moe.grouped_gemm_kernel's B_DESC codes
+_TMA_ALIGN = 16  # bytes: row strides and the inner block extent
+
+
+def _b_descriptor(problem: Problem, cfg: TileConfig, b_strides: tuple[int, int, int], K: int) -> dict[str, int]:
+    """The weights' descriptor constants of a grouped GEMM (B_DESC, B_ROWS, B_COLS): a tensor descriptor where
+    the config asks for one, the binding allows them and the layout fits one (a unit stride, 16-byte row strides,
+    the experts one after another with no gap), else masked pointers."""
+    pointers = dict(B_DESC=B_POINTERS, B_ROWS=0, B_COLS=0)
+    if not (cfg.TMA and problem.tma):
+        return pointers
+    e, sk, sn = b_strides
+    size = _ITEMSIZE[problem.dtype]
+    if sk == 1 and cfg.BK * size >= _TMA_ALIGN:
+        code, row, cols = B_K_ROWS, sn, K
+    elif sn == 1 and cfg.BN * size >= _TMA_ALIGN:
+        code, row, cols = B_N_ROWS, sk, sk
+    else:
+        return pointers
+    if row < 1 or e % row or (row * size) % _TMA_ALIGN:
+        return pointers
+    return dict(B_DESC=code, B_ROWS=e // row, B_COLS=cols)
+
+
 def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_strides: tuple[int, int, int],
           out: Buffer, stride_am: int, stride_cm: int, a_by_token=False, scale_a=False, bias=("x", 0, False),
           epilogue=PLAIN, preact_out: Buffer | None = None, preact_in="x", c_by_slot=False,
@@ -222,7 +249,7 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         ACTIVATION=ACTIVATION_CODES[problem.activation], STORE_PREACT=preact_out is not None,
         C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E),
         DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
-        ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM))
+        ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM), **_b_descriptor(problem, cfg, b_strides, K))
     return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
                 (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
                 (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
