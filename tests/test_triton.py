@@ -471,3 +471,16 @@ def test_jax_binding_reads_weights_through_descriptors_when_allowed(monkeypatch)
         plans.clear_caches()
     for name in plain:
         np.testing.assert_array_equal(described[name], plain[name], err_msg=name)
+
+
+def test_tracing_reads_no_address_of_cuda_weights():
+    """The fake implementations build plans from fake tensors (tracing on CUDA): no data pointer is read, and the
+    plans' buffers are those of pointer loads."""
+    import warnings
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # reading a FakeTensor's data pointer warns
+        gate_up = torch.empty(3, 32, 32, device="cuda", dtype=torch.bfloat16)
+        down = torch.empty(3, 32, 16, device="cuda", dtype=torch.bfloat16)
+        assert not torch_triton_backend.tensor_descriptors_allowed(gate_up, down)

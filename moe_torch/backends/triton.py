@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from moe_shared import load_spec
 from moe_shared.kernels import plan as plans
@@ -34,7 +35,10 @@ def _device_name(device: torch.device) -> str:
 
 def tensor_descriptors_allowed(*weights: torch.Tensor) -> bool:
     """Whether the kernels may read these weights through tensor descriptors: on CUDA, 16-byte aligned (their
-    workspace comes from torch's allocator, ``run_plan``)."""
+    workspace comes from torch's allocator, ``run_plan``). While tracing (fake tensors, no address) no: the fake
+    implementations only read the plans' buffers, which do not depend on it."""
+    if torch.compiler.is_compiling() or any(isinstance(w, FakeTensor) for w in weights):
+        return False
     return all(w.device.type == "cuda" and w.data_ptr() % 16 == 0 for w in weights)
 
 
