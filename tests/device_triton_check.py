@@ -407,7 +407,10 @@ STEP_VARIANTS = [C(128, 128, 64, 8, 3, 1), C(128, 128, 64, 8, 3, 8), C(128, 128,
                  C(128, 256, 64, 8, 3, 8), C(128, 64, 64, 4, 4, 8), C(128, 128, 32, 8, 5, 8), C(64, 128, 64, 4, 4, 8),
                  # the weight tiles through tensor descriptors (TMA) instead of masked pointers
                  C(128, 128, 64, 8, 3, 8, True), C(128, 128, 64, 8, 4, 8, True), C(128, 256, 64, 8, 3, 8, True),
-                 C(64, 128, 64, 4, 4, 8, True), C(128, 64, 64, 4, 4, 8, True)]
+                 C(64, 128, 64, 4, 4, 8, True), C(128, 64, 64, 4, 4, 8, True),
+                 # and the K loop warp-specialized (loading and multiplying warps apart)
+                 C(128, 128, 64, 8, 3, 8, True, True), C(128, 256, 64, 8, 3, 8, True, True),
+                 C(128, 128, 64, 4, 3, 8, True, True), C(128, 128, 64, 8, 3, 8, False, True)]
 WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 64, 4, 3), C(64, 128, 128, 8, 4),
                        C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4)]
 VARIANT_TOKENS = 4096
@@ -468,7 +471,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
                 return {"shape": shape, "T": T, "plan": which, "step": label, "ms": round(ms, 4),
                         "tflops": round(flops / ms / 1e9, 1) if flops else None,
                         "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
-                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC")]}
+                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC"), c.get("WARP_SPECIALIZE")]}
 
             plan, labelled = _labelled_steps(problem, which)
             record(results, "steps", f"{shape} T={T} {which}",

@@ -132,6 +132,7 @@ def grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_ROWS: tl.constexpr = 0, B_COLS: tl.constexpr = 0,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
@@ -148,7 +149,8 @@ def grouped_gemm_kernel(
     ``B_ROWS`` rows per expert of ``B_COLS`` columns: B_K_ROWS when B[e] is stored with k contiguous (stride_bk ==
     1; a row per n), B_N_ROWS with n contiguous (stride_bn == 1; a row per k); B_POINTERS loads them through
     masked pointers. A descriptor tile may run past N into the next rows or columns: those outputs are never
-    stored; past the array it reads zeros.
+    stored; past the array it reads zeros. ``WARP_SPECIALIZE`` asks triton to split the K loop into loading and
+    multiplying warps.
     """
     pid = tl.program_id(0)
     num_n: tl.constexpr = (N + BN - 1) // BN
@@ -186,7 +188,7 @@ def grouped_gemm_kernel(
         b_row = e * B_ROWS
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, warp_specialize=WARP_SPECIALIZE):
         if EVEN_K:
             a_mask = live[:, None]
             b_mask = n_live[None, :]

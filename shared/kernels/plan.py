@@ -91,6 +91,7 @@ class TileConfig:
     num_stages: int = 3
     GROUP_M: int = 1  # row blocks that take the N tiles together (row-block kernels)
     TMA: bool = False  # grouped GEMMs: the weight tiles through a tensor descriptor where the binding allows it
+    WARP_SPECIALIZE: bool = False  # grouped GEMMs: loading and multiplying warps apart (triton's tl.range option)
 
 
 def _pow2(n: int) -> int:
@@ -249,7 +250,8 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         ACTIVATION=ACTIVATION_CODES[problem.activation], STORE_PREACT=preact_out is not None,
         C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E),
         DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
-        ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM), **_b_descriptor(problem, cfg, b_strides, K))
+        ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM), WARP_SPECIALIZE=cfg.WARP_SPECIALIZE,
+        **_b_descriptor(problem, cfg, b_strides, K))
     return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
                 (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
                 (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
