@@ -8,7 +8,8 @@ tolerance table; torch and JAX outputs and gradients bit-identical; two runs bit
 processes, which also compile in parallel). ``graphs``: CUDA-graph capture and replay in torch; torch.compile
 (fullgraph) in every mode, inference and training; JAX grouped_mm on the Triton kernel; which kernels ran.
 ``steps``: each step of the forward and backward plans timed alone at model shapes, and the GEMM steps under
-variant tiles (``--variant-kinds``). ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
+variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against pointer loads, torch and JAX.
+``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
 ``tune``: times candidate tile configs per kernel and shape (compiled in parallel first), writes the best as
 ``<configs-out>/nvidia-h200.json`` (the format of shared/kernels/configs) and the decode threshold per shape.
@@ -541,6 +542,64 @@ def large_jax_training(results, tokens=(16384, 65536)):
         record(results, "jax-large-training", f"qwen3-30b-a3b T={T} fwd+bwd", run)
 
 
+# --- weight tiles through tensor descriptors ------------------------------------------------------------------
+
+def descriptor_checks(results):
+    """The grouped GEMMs with TMA weight loads (forward and backward, both weight layouts) against the pointer loads
+    on the same inputs: the same bits in torch; and in JAX, allowed for this check (``TENSOR_DESCRIPTORS``), whether
+    its launches give descriptors their workspace, and the same bits as torch."""
+    import jax
+    import torch
+    from moe_jax.backends import triton as jax_backend
+    from moe_torch.backends import triton as torch_backend
+    arrays, grad_output = random_case(21, T=300, H=256, I=128, E=8, k=2, bias=True, empty_fraction=0.1)
+    shapes = (("gate_up", 128, 256), ("down", 256, 128), ("dgrad_down", 128, 256), ("dgrad_up", 256, 256))
+
+    def configure(tma):
+        plans.OVERRIDES.clear()
+        for kernel, N, K in shapes:
+            plans.OVERRIDES[kernel, N, K, 8] = C(64, 64, 64, 4, 3, 1, tma)
+        plans.clear_caches()
+
+    case = type("Case", (), {"inputs": arrays, "grad_output": grad_output, "dtype": "bfloat16",
+                             "activation": "silu"})
+
+    def torch_bits():
+        configure(False)
+        plain = torch_vector(case)
+        configure(True)
+        described = torch_vector(case)
+        x, ids, gate_up, down = (torch.empty(s, device="cuda", dtype=torch.bfloat16)
+                                 for s in ((300, 256), (300, 2), (8, 256, 256), (8, 256, 128)))
+        problem = torch_backend.problem_of(x, ids, gate_up, down, None, None, "silu")
+        codes = [st.constants["B_DESC"] for st in plans.forward_plan(problem, training=True).steps
+                 + plans.backward_plan(problem).steps if st.kernel == "grouped_gemm_kernel"]
+        same = all(np.array_equal(plain[n], described[n]) for n in plain)
+        if not same or not all(codes):
+            raise AssertionError({"same": same, "codes": codes})
+        return {"identical_to_pointer_loads": same, "B_DESC": codes}
+
+    def jax_bits():
+        configure(True)
+        jax_backend.TENSOR_DESCRIPTORS = True
+        try:
+            described = jax_vector(case)
+        finally:
+            jax_backend.TENSOR_DESCRIPTORS = False
+        want = torch_vector(case)
+        same = all(np.array_equal(want[n], described[n]) for n in want)
+        if not same:
+            raise AssertionError("JAX with descriptors differs from torch")
+        return {"identical_to_torch": same, "jaxlib": jax.__version__}
+
+    try:
+        record(results, "descriptors", "torch: TMA weight loads vs pointer loads", torch_bits)
+        record(results, "descriptors", "jax: TMA weight loads (TENSOR_DESCRIPTORS allowed) vs torch", jax_bits)
+    finally:
+        plans.OVERRIDES.clear()
+        plans.clear_caches()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
@@ -567,6 +626,8 @@ def main():
         results += parallel("vectors", args.workers, args.out)
     if "graphs" in parts:
         graph_checks(results)
+    if "descriptors" in parts:
+        descriptor_checks(results)
     if "large" in parts:
         large_jax_training(results)
     if "steps" in parts:
@@ -589,7 +650,8 @@ def main():
     for r in results:
         if not r["ok"]:
             print("FAIL", r["kind"], r["name"], r["detail"][:400])
-        elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training"):
+        elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training",
+                           "descriptors"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
         elif r["kind"] in ("steps", "step-variants"):
             print(r["name"])
