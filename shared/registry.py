@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 
-from .requirements import check_compute_capability, install_command
+from .requirements import check_compute_capability, hub_cached, package_missing
 from .spec import FrameworkSupport, load_spec
 
 
@@ -84,9 +84,8 @@ class BackendRegistry(Mapping[str, Callable]):
         if support is None:  # a user backend without a declared capability
             return
         for package in support.requires.packages:
-            if not package_present(package):
-                raise ImportError(f"implementation {name!r} needs the package {package!r}: "
-                                  f"{install_command(support.requires, package)}")
+            if not (package_present(package) or hub_cached(support.requires)):
+                raise ImportError(package_missing(name, support.requires, package))
         try:
             if device_class not in support.devices:
                 raise RuntimeError(f"implementation {name!r} runs on {list(support.devices)}, got {where}")

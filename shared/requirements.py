@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,18 +179,122 @@ def import_required(backend: str, requires: Requirements, package: str) -> Modul
                           f"{install_command(requires, package)} ({err})") from err
 
 
+HUB_CACHE_VARIABLES = ("KERNELS_CACHE", "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+def hub_cache_roots(environ: Mapping[str, str] | None = None) -> list[Path]:
+    """Where the ``kernels`` package keeps hub kernels: KERNELS_CACHE, else huggingface_hub's cache (HF_HUB_CACHE,
+    HF_HOME/hub, XDG_CACHE_HOME or ~/.cache, then huggingface/hub)."""
+    env = os.environ if environ is None else environ
+    if env.get("KERNELS_CACHE"):
+        return [Path(env["KERNELS_CACHE"])]
+    if env.get("HF_HUB_CACHE"):
+        return [Path(env["HF_HUB_CACHE"])]
+    if env.get("HF_HOME"):
+        return [Path(env["HF_HOME"]) / "hub"]
+    return [Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface" / "hub"]
+
+
+def hub_reference(hub: Mapping) -> str:
+    """The ref a hub kernel is pinned to: its revision (a branch or tag), or ``v<version>``."""
+    return hub["revision"] if "revision" in hub else f"v{hub['version']}"
+
+
+def hub_snapshot(hub: Mapping, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The local snapshot folder of the hub kernel ``hub`` (``repo_id`` at ``hub_reference``), or None: read from
+    the disk only, never the network (the cache's ``refs/<ref>`` file names the snapshot; the folder is
+    ``kernels--<org>--<name>``, or ``models--...`` in older caches)."""
+    name = hub["repo_id"].replace("/", "--")
+    for root in hub_cache_roots(environ):
+        for kind in ("kernels", "models"):
+            folder = root / f"{kind}--{name}"
+            ref = folder / "refs" / hub_reference(hub)
+            if ref.is_file():
+                snapshot = folder / "snapshots" / ref.read_text().strip()
+                if snapshot.is_dir():
+                    return snapshot
+    return None
+
+
+def _hub_install_hint(hub: Mapping) -> str:
+    ref = hub["revision"] if "revision" in hub else str(hub["version"])
+    option = "--revision" if "revision" in hub else "--version"
+    return (f"or put the hub build {hub['repo_id']} ({hub_reference(hub)}) in the local kernel cache "
+            f"(pip install kernels; kernels download {hub['repo_id']} {option} {ref}): it is loaded from there, "
+            "never downloaded at run time")
+
+
+_HUB_CACHED: dict[tuple, bool] = {}
+
+
+def hub_cached(requires: Requirements) -> bool:
+    """Whether ``requires.hub`` names a build found in the local kernel cache (looked up once per cache folder)."""
+    if requires.hub is None:
+        return False
+    key = (requires.hub["repo_id"], hub_reference(requires.hub), *hub_cache_roots())
+    if key not in _HUB_CACHED:
+        _HUB_CACHED[key] = hub_snapshot(requires.hub) is not None
+    return _HUB_CACHED[key]
+
+
+def package_missing(backend: str, requires: Requirements, package: str) -> str:
+    """What to do about a missing ``package``: its pip command, and the hub build where ``requires`` names one."""
+    hint = f"; {_hub_install_hint(requires.hub)}" if requires.hub is not None else ""
+    return f"implementation {backend!r} needs the package {package!r}: {install_command(requires, package)}{hint}"
+
+
+def load_hub_kernel(backend: str, requires: Requirements, package: str) -> ModuleType:
+    """The hub build of ``package`` (``requires.hub``) from the local kernel cache, through the ``kernels``
+    package's ``get_local_kernel``: ImportError when the ``kernels`` package or the build is missing, or when the
+    build's ``__version__`` is not one ``requires.versions`` lists for ``hub["distribution"]``."""
+    hub = requires.hub
+    snapshot = hub_snapshot(hub)
+    if snapshot is None:
+        raise ImportError(f"{package_missing(backend, requires, package)} (not found under "
+                          f"{', '.join(str(r) for r in hub_cache_roots())})")
+    try:
+        kernels = importlib.import_module("kernels")
+    except ImportError as err:
+        raise ImportError(f"implementation {backend!r}: the hub build {hub['repo_id']} is in the local cache "
+                          f"({snapshot}), and loading it needs the kernels package: pip install kernels") from err
+    module = kernels.get_local_kernel(snapshot)
+    allowed = requires.versions.get(hub.get("distribution", ""), ())
+    found = getattr(module, "__version__", None)
+    if allowed and found not in allowed:
+        raise ImportError(f"implementation {backend!r} needs {hub['distribution']} {' or '.join(allowed)}, got the "
+                          f"hub build {hub['repo_id']} ({hub_reference(hub)}) at version {found}: "
+                          f"{install_command(requires)}")
+    return module
+
+
+def _installed(requires: Requirements, package: str) -> bool:
+    """Whether ``package`` is installed: importable, or one of the distributions ``requires`` checks is."""
+    if package in sys.modules:
+        found = sys.modules[package] is not None
+    else:
+        found = importlib.util.find_spec(package) is not None
+    distributions = [*([requires.abi["distribution"]] if requires.abi is not None else []), *requires.versions]
+    return found or any(installed_version(d) is not None for d in distributions)
+
+
 def load_cuda_package(backend: str, requires: Requirements, package: str, compute_capability: tuple[int, int],
                       where: str) -> ModuleType:
     """``package`` imported after every check ``requires`` makes for a CUDA device of ``compute_capability``
     (described as ``where``): the compute capability, the ABI of its build (before the import: a mismatched build
-    must not load), the toolkit. Once per backend, package, capability and toolkit search path."""
-    key = (backend, package, tuple(compute_capability), *(os.environ.get(v) for v in (*TOOLKIT_VARIABLES, "PATH")))
+    must not load), the toolkit. Where ``package`` is not installed and ``requires.hub`` names a kernel-hub build,
+    that build from the local kernel cache (``load_hub_kernel``). Once per backend, package, capability, toolkit
+    search path and cache."""
+    key = (backend, package, tuple(compute_capability),
+           *(os.environ.get(v) for v in (*TOOLKIT_VARIABLES, "PATH", *HUB_CACHE_VARIABLES)))
     if key not in _LOADED:
         check_compute_capability(backend, requires.compute_capability, compute_capability, where)
-        if requires.abi is not None:
-            check_abi(backend, requires.abi)
-        check_versions(backend, requires.versions, requires)
+        from_hub = requires.hub is not None and not _installed(requires, package)
+        if not from_hub:
+            if requires.abi is not None:
+                check_abi(backend, requires.abi)
+            check_versions(backend, requires.versions, requires)
         if requires.nvcc:
             check_toolkit(backend, requires.nvcc, compute_capability)
-        _LOADED[key] = import_required(backend, requires, package)
+        _LOADED[key] = (load_hub_kernel(backend, requires, package) if from_hub else
+                        import_required(backend, requires, package))
     return _LOADED[key]

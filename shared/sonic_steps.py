@@ -79,12 +79,23 @@ def check_biases(backend: str, rule, intermediate: int, gate_up_bias: bool, down
                          f"kernel tiles 2I by at least {2 * rule['min_I']}), got I = {intermediate}")
 
 
-def load_steps(kernels: Mapping[str, str]) -> SimpleNamespace:
-    """The step functions named in the spec (``step = "module:function"``), imported."""
-    found = {}
+def load_steps(kernels: Mapping[str, str], package: str | None = None) -> SimpleNamespace:
+    """The step functions named in the spec (``step = "module:function"``), imported; with ``package``, from that
+    package in place of the named modules' top-level one (a kernel-hub build of SonicMoE has its own module
+    name). ImportError names every step the package lacks."""
+    found, missing = {}, []
     for step, where in kernels.items():
         module, _, function = where.partition(":")
-        found[step] = getattr(importlib.import_module(module), function)
+        if package is not None:
+            module = ".".join([package, *module.split(".")[1:]])
+        try:
+            found[step] = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}:{function}")
+    if missing:
+        raise ImportError(f"implementation 'sonicmoe' composes SonicMoE 0.1.2.post1's steps; "
+                          f"{package or 'the installed package'} lacks {', '.join(missing)}: pip install --no-deps "
+                          "'sonic-moe==0.1.2.post1'")
     return SimpleNamespace(**found)
 
 

@@ -31,6 +31,7 @@ class Requirements:
     abi: Mapping[str, Any] | None = None  # distribution, package, framework, builds: {version: [framework versions]}
     versions: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # distribution -> the versions that work
     other: Mapping[str, str] = field(default_factory=dict)  # what else a backend needs, described (checked there)
+    hub: Mapping[str, Any] | None = None  # a kernel-hub build of the package: repo_id, revision or version, ...
 
 
 _NO_GRADIENTS = {"torch": "call it under torch.no_grad() or on inputs without requires_grad",
@@ -121,7 +122,7 @@ class Spec:
 _KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit", "activations", "training",
                        "multiples"}
 _BACKEND_KEYS = {"description", "data_dependent", *FRAMEWORKS}
-_CHECKED_REQUIREMENTS = {"packages", "compute_capability", "nvcc", "abi", "versions"}
+_CHECKED_REQUIREMENTS = {"packages", "compute_capability", "nvcc", "abi", "versions", "hub"}
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -146,6 +147,7 @@ def _requirements(req: Mapping[str, Any], distributions: Mapping[str, Any]) -> R
         nvcc=MappingProxyType({version_tuple(c): tuple(v) for c, v in req.get("nvcc", {}).items()}),
         abi=MappingProxyType({"distribution": req["abi"]} | distributions[req["abi"]]) if "abi" in req else None,
         versions=MappingProxyType({d: tuple(v) for d, v in req.get("versions", {}).items()}),
+        hub=MappingProxyType(dict(req["hub"])) if "hub" in req else None,
         other=MappingProxyType({k: v for k, v in req.items() if k not in _CHECKED_REQUIREMENTS}),
     )
 

@@ -242,7 +242,9 @@ def test_custom_op_schema_and_fake(fake):
 def test_unavailable_on_cpu_with_reasons(monkeypatch):
     needs = "needs the package 'deep_gemm': pip install 'moe-experts\\[deepgemm\\]'"
     assert moe_torch.available_backends("cpu")["deepgemm"] == (
-        "implementation 'deepgemm' needs the package 'deep_gemm': pip install 'moe-experts[deepgemm]'")
+        "implementation 'deepgemm' needs the package 'deep_gemm': pip install 'moe-experts[deepgemm]'; or put the "
+        "hub build kernels-community/deep-gemm (v2) in the local kernel cache (pip install kernels; kernels download "
+        "kernels-community/deep-gemm --version 2): it is loaded from there, never downloaded at run time")
     assert "deep_gemm" in moe_jax.available_backends("cpu")["deepgemm"]
     arrays = to_torch(random_case(5, T=4, H=64, I=64, E=3, k=2, bias=False)[0])
     with pytest.raises(ImportError, match=needs):
@@ -256,6 +258,16 @@ def test_unavailable_on_cpu_with_reasons(monkeypatch):
         torch_deepgemm.runtime(torch.device("cpu"))
     with pytest.raises(RuntimeError, match=r"runs on \['cuda'\], got the cpu platform"):
         jax_deepgemm.runtime("cpu")
+
+
+def test_a_cached_hub_build_counts_as_installed(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    folder = tmp_path / "kernels--kernels-community--deep-gemm"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "v2").write_text("c0ffee")
+    (folder / "snapshots" / "c0ffee").mkdir(parents=True)
+    assert moe_torch.available_backends("cpu")["deepgemm"] == (
+        "implementation 'deepgemm' runs on ['cuda'], got a tensor on cpu")
 
 
 def test_jax_backend_never_imports_torch_until_called():
@@ -389,6 +401,37 @@ def test_first_call_checks_in_order_then_imports(fake_cuda, tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "deep_gemm", module)
     monkeypatch.setattr(requirements, "_LOADED", {})
     assert torch_deepgemm.runtime(device) is module and torch_deepgemm.runtime(device) is module
+
+
+def test_hub_build_from_the_local_cache_where_deep_gemm_is_not_installed(fake_cuda, tmp_path, monkeypatch):
+    """No sgl-deep-gemm: kernels-community/deep-gemm (version 2) from the local kernel cache, by path (nothing to
+    download; the kernels package picks the build for the installed torch, so no ABI table applies); the toolkit is
+    still checked (the hub build JIT-compiles with nvcc too). Not cached: ImportError naming both ways."""
+    monkeypatch.setenv("CUDA_HOME", str(_nvcc(tmp_path / "cuda", "12.4")))
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path / "cache"))
+    _versions(monkeypatch)  # no distribution installed
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)
+    device = torch.device("cuda", 0)
+    with pytest.raises(ImportError, match=r"'deepgemm' needs the package 'deep_gemm': pip install "
+                                          r"'moe-experts\[deepgemm\]'; or put the hub build kernels-community/"
+                                          r"deep-gemm \(v2\) in the local kernel cache \(pip install kernels; "
+                                          r"kernels download kernels-community/deep-gemm --version 2\)"):
+        torch_deepgemm.runtime(device)
+    folder = tmp_path / "cache" / "kernels--kernels-community--deep-gemm"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "v2").write_text("c0ffee")
+    (folder / "snapshots" / "c0ffee").mkdir(parents=True)
+    with pytest.raises(ImportError, match=r"in the local cache .*needs the kernels package: pip install kernels"):
+        torch_deepgemm.runtime(device)
+    module, asked = FakeDeepGEMM(alignment=64), []
+    monkeypatch.setitem(sys.modules, "kernels", types.SimpleNamespace(
+        get_local_kernel=lambda path: asked.append(path) or module))
+    assert torch_deepgemm.runtime(device) is module and asked == [folder / "snapshots" / "c0ffee"]
+    monkeypatch.setattr(torch_deepgemm, "_READY", {})
+    monkeypatch.setattr(requirements, "_LOADED", {})
+    monkeypatch.setenv("CUDA_HOME", str(_nvcc(tmp_path / "cuda-12.2", "12.2")))
+    with pytest.raises(RuntimeError, match=r"needs nvcc >= 12.3 on compute capability 9.0, got nvcc 12.2"):
+        torch_deepgemm.runtime(device)
 
 
 def test_shapes_and_dtypes_the_kernels_cannot_take(fake):

@@ -205,7 +205,9 @@ INSTALL = r"pip install 'moe-experts\[sonicmoe\]' && pip install --no-deps 'soni
 def test_unavailable_on_cpu_with_reasons(monkeypatch):
     assert moe_torch.available_backends("cpu")["sonicmoe"] == (
         "implementation 'sonicmoe' needs the package 'sonicmoe': pip install 'moe-experts[sonicmoe]' && "
-        "pip install --no-deps 'sonic-moe==0.1.2.post1'")
+        "pip install --no-deps 'sonic-moe==0.1.2.post1'; or put the hub build kernels-community/sonic-moe "
+        "(ep-support) in the local kernel cache (pip install kernels; kernels download kernels-community/sonic-moe "
+        "--revision ep-support): it is loaded from there, never downloaded at run time")
     assert "'sonicmoe'" in moe_jax.available_backends("cpu")["sonicmoe"]
     arrays = to_torch(random_case(5, T=4, H=16, I=8, E=3, k=2, bias=False)[0])
     with pytest.raises(ImportError, match=INSTALL):
@@ -234,15 +236,21 @@ def fake_cuda(monkeypatch):
     return capability
 
 
-def test_first_call_checks_capability_then_version_then_imports(fake_cuda, monkeypatch):
+def test_first_call_checks_capability_then_version_then_imports(fake_cuda, monkeypatch, tmp_path):
     device = torch.device("cuda", 0)
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))  # an empty kernel cache
     fake_cuda[0] = (8, 9)
     with pytest.raises(RuntimeError, match=r"'sonicmoe' needs CUDA compute capability >= 9.0, got 8.9 on a tensor "
                                            r"on cuda:0"):
         torch_sonic.runtime(device)
     fake_cuda[0] = (9, 0)
+    with pytest.raises(ImportError, match=rf"'sonicmoe' needs the package 'sonicmoe': {INSTALL}; or put the hub "
+                                          r"build kernels-community/sonic-moe \(ep-support\) in the local kernel "
+                                          r"cache .* never downloaded at run time \(not found under "):
+        torch_sonic.runtime(device)
     installed = {}
     monkeypatch.setattr(requirements, "installed_version", lambda dist: installed.get(dist))
+    monkeypatch.setitem(sys.modules, "sonicmoe", SimpleNamespace())  # importable, no distribution installed
     with pytest.raises(ImportError, match=rf"'sonicmoe' needs sonic-moe 0.1.2.post1, got none installed: {INSTALL}"):
         torch_sonic.runtime(device)
     installed["sonic-moe"] = "0.1.3"  # its internals may differ: refused before any import
@@ -252,6 +260,70 @@ def test_first_call_checks_capability_then_version_then_imports(fake_cuda, monke
     monkeypatch.setitem(sys.modules, "sonicmoe", None)  # not importable
     with pytest.raises(ImportError, match=rf"'sonicmoe' needs the package 'sonicmoe': {INSTALL}"):
         torch_sonic.runtime(device)
+
+
+def _hub_cache(root, repo_id: str, ref: str, commit: str = "0123abcd", kind: str = "kernels"):
+    """A kernel cache holding ``repo_id`` at ``ref`` (refs/<ref> -> snapshots/<commit>), as the kernels package
+    lays it out."""
+    folder = root / f"{kind}--{repo_id.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / ref).write_text(commit + "\n")
+    (folder / "snapshots" / commit).mkdir(parents=True)
+    return folder / "snapshots" / commit
+
+
+def _hub_sonic(monkeypatch, version="0.1.2.post1", lacking=()):
+    """A stand-in ``kernels`` package whose get_local_kernel returns a hub build of SonicMoE (module
+    ``_sonic_moe_hub``) with the spec's steps under its own name, minus ``lacking``; returns the paths it got."""
+    asked = []
+    package = SimpleNamespace(__name__="_sonic_moe_hub", __version__=version)
+    for where in SUPPORT.details["kernels"].values():
+        module, _, function = where.partition(":")
+        name = ".".join(["_sonic_moe_hub", *module.split(".")[1:]])
+        fake = sys.modules.get(name) if isinstance(sys.modules.get(name), SimpleNamespace) else SimpleNamespace()
+        if function not in lacking:
+            setattr(fake, function, (lambda w: lambda: w)(where))
+        monkeypatch.setitem(sys.modules, name, fake)
+    monkeypatch.setitem(sys.modules, "_sonic_moe_hub", package)
+    monkeypatch.setitem(sys.modules, "kernels", SimpleNamespace(
+        get_local_kernel=lambda path: asked.append(path) or package))
+    return asked
+
+
+def test_hub_build_loads_from_the_local_cache_where_sonic_moe_is_not_installed(fake_cuda, monkeypatch, tmp_path):
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    snapshot = _hub_cache(tmp_path, "kernels-community/sonic-moe", "ep-support")
+    asked = _hub_sonic(monkeypatch)
+    steps = torch_sonic.runtime(torch.device("cuda", 0))
+    assert asked == [snapshot]  # the cached snapshot, by path: nothing to download
+    assert {name: f() for name, f in vars(steps).items()} == dict(SUPPORT.details["kernels"])
+
+
+def test_hub_build_without_the_steps_or_at_another_version_is_refused(fake_cuda, monkeypatch, tmp_path):
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    _hub_cache(tmp_path, "kernels-community/sonic-moe", "ep-support", kind="models")  # the older cache layout
+    _hub_sonic(monkeypatch, lacking=("_up_projection_forward", "_down_projection_backward_weight"))
+    with pytest.raises(ImportError, match=r"_sonic_moe_hub lacks _sonic_moe_hub.functional.forward:"
+                                          r"_up_projection_forward, _sonic_moe_hub.functional.backward:"
+                                          r"_down_projection_backward_weight: pip install --no-deps"):
+        torch_sonic.runtime(torch.device("cuda", 0))
+    monkeypatch.setattr(requirements, "_LOADED", {})
+    _hub_sonic(monkeypatch, version="0.2.0")
+    with pytest.raises(ImportError, match=r"needs sonic-moe 0.1.2.post1, got the hub build kernels-community/"
+                                          r"sonic-moe \(ep-support\) at version 0.2.0"):
+        torch_sonic.runtime(torch.device("cuda", 0))
+
+
+def test_hub_cache_roots_follow_the_kernels_and_huggingface_variables(tmp_path):
+    assert requirements.hub_cache_roots({"KERNELS_CACHE": "/k", "HF_HUB_CACHE": "/h"}) == [requirements.Path("/k")]
+    assert requirements.hub_cache_roots({"HF_HUB_CACHE": "/h", "HF_HOME": "/home"}) == [requirements.Path("/h")]
+    assert requirements.hub_cache_roots({"HF_HOME": "/home"}) == [requirements.Path("/home/hub")]
+    assert requirements.hub_cache_roots({"XDG_CACHE_HOME": "/x"}) == [requirements.Path("/x/huggingface/hub")]
+    hub = {"repo_id": "kernels-community/deep-gemm", "version": 2}
+    assert requirements.hub_snapshot(hub, {"KERNELS_CACHE": str(tmp_path)}) is None
+    snapshot = _hub_cache(tmp_path, hub["repo_id"], "v2")
+    assert requirements.hub_snapshot(hub, {"KERNELS_CACHE": str(tmp_path)}) == snapshot
+    assert requirements.hub_snapshot(dict(hub, version=3), {"KERNELS_CACHE": str(tmp_path)}) is None
 
 
 def test_steps_load_from_the_modules_the_spec_names(monkeypatch):

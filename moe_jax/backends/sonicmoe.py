@@ -38,10 +38,11 @@ def runtime(platform: str) -> SimpleNamespace:
         if device_class(platform) not in SUPPORT.devices:
             raise RuntimeError(f"implementation {NAME!r} runs on {list(SUPPORT.devices)}, got the {platform} platform")
         device = jax.devices(platform)[0]
-        requirements.load_cuda_package(NAME, SUPPORT.requires, PACKAGE, version_tuple(device.compute_capability)[:2],
-                                       f"the {platform} platform ({device.device_kind})")
         requirements.import_required(NAME, SUPPORT.requires, "torch")
-        _READY[platform] = sonic_steps.load_steps(SUPPORT.details["kernels"])
+        module = requirements.load_cuda_package(NAME, SUPPORT.requires, PACKAGE,
+                                                version_tuple(device.compute_capability)[:2],
+                                                f"the {platform} platform ({device.device_kind})")
+        _READY[platform] = sonic_steps.load_steps(SUPPORT.details["kernels"], module.__name__)
     return _READY[platform]
 
 

@@ -34,9 +34,9 @@ def runtime(device: torch.device) -> SimpleNamespace:
     if device not in _READY:
         if device.type != "cuda":
             raise RuntimeError(f"implementation {NAME!r} runs on {list(SUPPORT.devices)}, got a tensor on {device}")
-        requirements.load_cuda_package(NAME, SUPPORT.requires, PACKAGE, torch.cuda.get_device_capability(device),
-                                       f"a tensor on {device}")
-        _READY[device] = sonic_steps.load_steps(SUPPORT.details["kernels"])
+        module = requirements.load_cuda_package(NAME, SUPPORT.requires, PACKAGE,
+                                                torch.cuda.get_device_capability(device), f"a tensor on {device}")
+        _READY[device] = sonic_steps.load_steps(SUPPORT.details["kernels"], module.__name__)
     return _READY[device]
 
 
