@@ -257,7 +257,12 @@ def load_hub_kernel(backend: str, requires: Requirements, package: str) -> Modul
     except ImportError as err:
         raise ImportError(f"implementation {backend!r}: the hub build {hub['repo_id']} is in the local cache "
                           f"({snapshot}), and loading it needs the kernels package: pip install kernels") from err
-    module = kernels.get_local_kernel(snapshot)
+    try:
+        module = kernels.get_local_kernel(snapshot)
+    except FileNotFoundError as err:
+        raise ImportError(f"implementation {backend!r}: the hub build {hub['repo_id']} in the local cache ({snapshot}) "
+                          f"has no variant for this torch and CUDA ({err}): {install_command(requires, package)}; "
+                          f"{_hub_install_hint(hub)}") from err
     allowed = requires.versions.get(hub.get("distribution", ""), ())
     found = getattr(module, "__version__", None)
     if allowed and found not in allowed:

@@ -423,6 +423,12 @@ def test_hub_build_from_the_local_cache_where_deep_gemm_is_not_installed(fake_cu
     (folder / "snapshots" / "c0ffee").mkdir(parents=True)
     with pytest.raises(ImportError, match=r"in the local cache .*needs the kernels package: pip install kernels"):
         torch_deepgemm.runtime(device)
+    def no_variant(path):
+        raise FileNotFoundError(f"no build variant in {path}")
+
+    monkeypatch.setitem(sys.modules, "kernels", types.SimpleNamespace(get_local_kernel=no_variant))
+    with pytest.raises(ImportError, match=r"has no variant for this torch and CUDA \(no build variant in "):
+        torch_deepgemm.runtime(device)
     module, asked = FakeDeepGEMM(alignment=64), []
     monkeypatch.setitem(sys.modules, "kernels", types.SimpleNamespace(
         get_local_kernel=lambda path: asked.append(path) or module))
