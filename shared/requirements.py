@@ -217,11 +217,10 @@ def hub_snapshot(hub: Mapping, environ: Mapping[str, str] | None = None) -> Path
 
 
 def _hub_install_hint(hub: Mapping) -> str:
-    ref = hub["revision"] if "revision" in hub else str(hub["version"])
-    option = "--revision" if "revision" in hub else "--version"
-    return (f"or put the hub build {hub['repo_id']} ({hub_reference(hub)}) in the local kernel cache "
-            f"(pip install kernels; kernels download {hub['repo_id']} {option} {ref}): it is loaded from there, "
-            "never downloaded at run time")
+    pin = f"revision={hub['revision']!r}" if "revision" in hub else f"version={hub['version']}"
+    return (f"or put the hub build {hub['repo_id']} ({hub_reference(hub)}) in the local kernel cache (pip install "
+            f"kernels, then once, online: python -c \"import kernels; kernels.get_kernel({hub['repo_id']!r}, {pin})\"): "
+            "it is loaded from there, never downloaded at run time")
 
 
 _HUB_CACHED: dict[tuple, bool] = {}

@@ -243,8 +243,9 @@ def test_unavailable_on_cpu_with_reasons(monkeypatch):
     needs = "needs the package 'deep_gemm': pip install 'moe-experts\\[deepgemm\\]'"
     assert moe_torch.available_backends("cpu")["deepgemm"] == (
         "implementation 'deepgemm' needs the package 'deep_gemm': pip install 'moe-experts[deepgemm]'; or put the "
-        "hub build kernels-community/deep-gemm (v2) in the local kernel cache (pip install kernels; kernels download "
-        "kernels-community/deep-gemm --version 2): it is loaded from there, never downloaded at run time")
+        "hub build kernels-community/deep-gemm (v2) in the local kernel cache (pip install kernels, then once, "
+        "online: python -c \"import kernels; kernels.get_kernel('kernels-community/deep-gemm', version=2)\"): it is "
+        "loaded from there, never downloaded at run time")
     assert "deep_gemm" in moe_jax.available_backends("cpu")["deepgemm"]
     arrays = to_torch(random_case(5, T=4, H=64, I=64, E=3, k=2, bias=False)[0])
     with pytest.raises(ImportError, match=needs):
@@ -414,8 +415,9 @@ def test_hub_build_from_the_local_cache_where_deep_gemm_is_not_installed(fake_cu
     device = torch.device("cuda", 0)
     with pytest.raises(ImportError, match=r"'deepgemm' needs the package 'deep_gemm': pip install "
                                           r"'moe-experts\[deepgemm\]'; or put the hub build kernels-community/"
-                                          r"deep-gemm \(v2\) in the local kernel cache \(pip install kernels; "
-                                          r"kernels download kernels-community/deep-gemm --version 2\)"):
+                                          r"deep-gemm \(v2\) in the local kernel cache \(pip install kernels, "
+                                          r"then once, online: python -c \"import kernels; kernels.get_kernel\("
+                                          r"'kernels-community/deep-gemm', version=2\)\"\)"):
         torch_deepgemm.runtime(device)
     folder = tmp_path / "cache" / "kernels--kernels-community--deep-gemm"
     (folder / "refs").mkdir(parents=True)

@@ -206,8 +206,9 @@ def test_unavailable_on_cpu_with_reasons(monkeypatch):
     assert moe_torch.available_backends("cpu")["sonicmoe"] == (
         "implementation 'sonicmoe' needs the package 'sonicmoe': pip install 'moe-experts[sonicmoe]' && "
         "pip install --no-deps 'sonic-moe==0.1.2.post1'; or put the hub build kernels-community/sonic-moe "
-        "(ep-support) in the local kernel cache (pip install kernels; kernels download kernels-community/sonic-moe "
-        "--revision ep-support): it is loaded from there, never downloaded at run time")
+        "(ep-support) in the local kernel cache (pip install kernels, then once, online: python -c \"import kernels; "
+        "kernels.get_kernel('kernels-community/sonic-moe', revision='ep-support')\"): it is loaded from there, never "
+        "downloaded at run time")
     assert "'sonicmoe'" in moe_jax.available_backends("cpu")["sonicmoe"]
     arrays = to_torch(random_case(5, T=4, H=16, I=8, E=3, k=2, bias=False)[0])
     with pytest.raises(ImportError, match=INSTALL):
