@@ -53,14 +53,13 @@ def _batched_gather(s: Shape) -> Extra:
 
 
 def _torch_batched_gather(s: Shape) -> Extra:
-    """moe_torch batched_mm: one projection's weights gathered at a time (the gate/up one, 2/3 of an expert), again
-    in the backward instead of kept; nothing per slot in the weight gradient."""
-    traffic = 3 * s.slots * s.expert_bytes * (2 if s.backward else 1)
-    return Extra(memory=s.slots * s.expert_bytes * 2 / 3, bytes=traffic)
+    """moe_torch batched_mm: one projection's weights gathered at a time (the gate/up one, 2/3 of an expert) in the
+    forward; the backward gathers none (grouped matmuls over the slots sorted by expert)."""
+    return Extra(memory=s.slots * s.expert_bytes * 2 / 3, bytes=3 * s.slots * s.expert_bytes)
 
 
 def _torch_batched_chunks(s: Shape) -> Extra:
-    """moe_torch batched_mm on the CPU: the gathered weights in chunks of a few MB."""
+    """moe_torch batched_mm on the CPU: the gathered weights in chunks of a few MB, again in the backward."""
     return Extra(memory=min(s.slots * s.expert_bytes, BATCHED_MM_CPU_CHUNK_BYTES),
                  bytes=3 * s.slots * s.expert_bytes * (2 if s.backward else 1))
 

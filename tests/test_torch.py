@@ -538,9 +538,13 @@ def test_k_grouped_predicate_agrees_with_the_op(dtype, N, K):
 
 
 def test_batched_mm_k_grouped_weight_grad_compiles(monkeypatch):
-    """Under inductor the K-grouped weight gradient stays inside its opaque op: inductor once laid the transposed
-    rows out with a 20-byte stride there (T*k = 10), which F.grouped_mm refuses."""
+    """The CUDA backward compiles: the K-grouped weight gradient stays inside its opaque op (inductor once laid the
+    transposed rows out with a 20-byte stride there, T*k = 10, which F.grouped_mm refuses), and the input gradient's
+    grouped matmul lowers."""
+    from moe_torch.backends import batched_mm
+
     monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
+    monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
     arrays, dy = random_case(16, T=5, H=16, I=8, E=4, k=2, bias=False)
     eager = to_torch(arrays, "bfloat16", requires_grad=True)
     compiled = to_torch(arrays, "bfloat16", requires_grad=True)
@@ -549,5 +553,27 @@ def test_batched_mm_k_grouped_weight_grad_compiles(monkeypatch):
     fn = torch.compile(lambda **kw: experts_forward(**kw, implementation="batched_mm"), fullgraph=True)
     fn(**compiled).backward(g)
     experts_forward(**eager, implementation="batched_mm").backward(g)
-    for name in ("gate_up_proj", "down_proj"):
+    for name in ("gate_up_proj", "down_proj", "hidden_states"):
         assert relative_l2(compiled[name].grad.float().numpy(), eager[name].grad.float().numpy()) < 1e-2, name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_mm_sorted_backward_matches_the_reference(dtype, monkeypatch):
+    """The CUDA backward (input and weight gradients as grouped matmuls over the slots sorted by expert, no
+    gathered weights), run on the CPU: every gradient against the float64 reference, and no gather of weights."""
+    from moe_shared import reference
+    from moe_torch.backends import batched_mm
+
+    monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
+    monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
+    arrays, dy = random_case(17, T=19, H=16, I=8, E=7, k=3, bias=True, empty_fraction=0.2)
+    arrays["top_k_index"] = np.where(arrays["top_k_index"] == 2, -1, arrays["top_k_index"])  # an idle expert
+    tensors = to_torch(arrays, dtype, requires_grad=True)
+    out = experts_forward(**tensors, implementation="batched_mm")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(to_torch({"g": dy}, dtype)["g"])
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert "aten::index" not in counts and counts.get("aten::_grouped_mm") == 4  # no weight gather; 2 per projection
+    expected = reference.experts_backward(**arrays, grad_output=dy)
+    for name in expected:
+        assert_close(f"grad_{name}", tensors[name].grad.float(), expected[name], dtype)

@@ -2,9 +2,10 @@
 
 Fast for a handful of tokens (no sort, no host sync in the forward); the gathered weights are T*k copies of an
 expert's. On the CPU the slots go through in chunks whose gathered weights stay in cache (a few MB each, never one
-huge buffer). Training keeps no gathered weights: the backward gathers them again for the input gradient, and sums
-each expert's weight gradient as one matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K]
-gradient; on CUDA one K-grouped ``F.grouped_mm``).
+huge buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one matmul over
+its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient; on CUDA one K-grouped
+``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted rows, on the CPU by
+gathering the weights again in chunks.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from ..base import Slots, add_bias, combine, gate, takes_grad
-from .grouped_mm import grouped_weight_grad
+from .grouped_mm import grouped_linear, grouped_weight_grad
 
 NAME = "batched_mm"
 CHUNK_BYTES = {"cpu": 4 << 20}  # gathered weights per torch.bmm; one bmm for every slot on other devices
+SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient as a grouped matmul (see _SlotLinear)
 
 
 def _chunks(slots: int, table: torch.Tensor) -> list[slice]:
@@ -36,19 +38,34 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
     return out
 
 
-def _table_grad(grad: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """sum over the slots s of expert e of grad[s] x[s]^T, for every e ([E, N, K]): the slots sorted by expert, one
-    matmul per expert over its rows (float32 accumulation, rounded once; zero for an idle expert; no [T*k, N, K]
-    gradient and nothing accumulated across calls; on CUDA one K-grouped F.grouped_mm, see grouped_weight_grad)."""
-    E = table.shape[0]
-    sorted_ids, order = torch.sort(ids, stable=True)
-    bounds = torch.arange(1, E + 1, dtype=sorted_ids.dtype, device=sorted_ids.device)
-    offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
-    return grouped_weight_grad(grad.index_select(0, order), x.index_select(0, order), offs, E)
+class _SortedSlots:
+    """The slots sorted by expert (stably): each sorted row's slot, each slot's sorted row, each expert's end row."""
+
+    def __init__(self, ids: torch.Tensor, num_experts: int):
+        sorted_ids, self.order = torch.sort(ids, stable=True)
+        self.restore = torch.empty_like(self.order).scatter_(
+            0, self.order, torch.arange(self.order.numel(), device=ids.device))
+        bounds = torch.arange(1, num_experts + 1, dtype=sorted_ids.dtype, device=ids.device)
+        self.offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+        self.num_experts = num_experts
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, self.order)
+
+
+def _table_grad(grad_rows: torch.Tensor, x: torch.Tensor, slots: _SortedSlots) -> torch.Tensor:
+    """sum over the slots s of expert e of grad[s] x[s]^T, for every e ([E, N, K]), from the output gradient's rows
+    in expert order: one matmul per expert over its rows (float32 accumulation, rounded once; zero for an idle
+    expert; no [T*k, N, K] gradient and nothing accumulated across calls; on CUDA one K-grouped F.grouped_mm, see
+    grouped_weight_grad)."""
+    return grouped_weight_grad(grad_rows, slots.rows(x), slots.offs, slots.num_experts)
 
 
 class _SlotLinear(torch.autograd.Function):
-    """out[s] = table[ids[s]] @ x[s], keeping no gathered weights for the backward."""
+    """out[s] = table[ids[s]] @ x[s], keeping no gathered weights for the backward. Backward: the output gradient's
+    rows sorted by expert give the weight gradient, and on the devices of ``SORTED_INPUT_GRAD`` the input gradient
+    too, as one grouped matmul on the weights as stored (no gathered weights at all); elsewhere the input gradient
+    gathers the weights again, in cache-sized chunks."""
 
     @staticmethod
     def forward(ctx, x, table, ids):
@@ -59,8 +76,17 @@ class _SlotLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, table, ids = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = _slot_products(grad, table, ids, transpose=True) if ctx.needs_input_grad[0] else None
-        grad_table = _table_grad(grad, x, ids, table) if ctx.needs_input_grad[1] else None
+        sorted_input_grad = grad.device.type in SORTED_INPUT_GRAD
+        slots = _SortedSlots(ids, table.shape[0]) if ctx.needs_input_grad[1] or sorted_input_grad else None
+        grad_rows = slots.rows(grad) if slots is not None else None
+        grad_x = grad_table = None
+        if ctx.needs_input_grad[0]:
+            if sorted_input_grad:  # grad[s] @ table[ids[s]] for the sorted rows, back to slot order
+                grad_x = grouped_linear(grad_rows, table.transpose(1, 2), slots.offs).index_select(0, slots.restore)
+            else:
+                grad_x = _slot_products(grad, table, ids, transpose=True)
+        if ctx.needs_input_grad[1]:
+            grad_table = _table_grad(grad_rows, x, slots)
         return grad_x, grad_table, None
 
 
