@@ -48,17 +48,21 @@ def gate(activation: str | Callable, h: torch.Tensor, intermediate: int) -> torc
 class Slots:
     """The T*k routed slots, flattened token-major: slot s belongs to token s // k.
 
-    Ids outside [0, E) (the empty slot -1, or anything unchecked) are empty: ``safe_ids`` maps them to expert 0 so
-    that no gather reads out of bounds, and ``valid`` masks them out of the result and of every gradient. On the CPU
-    outside torch.compile one min/max tells whether there are any (no device sync); without any, ``valid`` is None
-    and nothing is masked.
+    Ids outside [0, E) (the empty slot -1, or anything unchecked) are empty: ``safe_ids`` clamps them into [0, E)
+    so that no gather reads out of bounds, and ``valid`` masks them out of the result and of every gradient (two
+    element-wise kernels: the clamp, and its comparison with the ids). On the CPU outside torch.compile one min/max
+    tells whether there are any (no device sync); without any, ``valid`` is None and nothing is masked.
     """
 
     def __init__(self, top_k_index: torch.Tensor, num_experts: int):
         self.T, self.k = top_k_index.shape
         self.ids = top_k_index.reshape(-1)
         self.num_experts = num_experts
-        self.valid = None if self._all_valid() else (self.ids >= 0) & (self.ids < num_experts)
+        if self._all_valid():
+            self.valid, self._clamped = None, self.ids
+        else:
+            self._clamped = self.ids.clamp(0, num_experts - 1)
+            self.valid = self._clamped == self.ids
 
     def _all_valid(self) -> bool:
         if self.ids.device.type != "cpu" or torch.compiler.is_compiling():
@@ -74,7 +78,7 @@ class Slots:
 
     @property
     def safe_ids(self) -> torch.Tensor:
-        return self.ids if self.valid is None else torch.where(self.valid, self.ids, 0)
+        return self._clamped
 
     def expert_key(self) -> torch.Tensor:
         """Each slot's expert, E for the empty ones (they sort last)."""
