@@ -218,9 +218,10 @@ def hub_snapshot(hub: Mapping, environ: Mapping[str, str] | None = None) -> Path
 
 def _hub_install_hint(hub: Mapping) -> str:
     pin = f"revision={hub['revision']!r}" if "revision" in hub else f"version={hub['version']}"
+    fetch = f"import kernels; kernels.get_kernel({hub['repo_id']!r}, {pin})"
     return (f"or put the hub build {hub['repo_id']} ({hub_reference(hub)}) in the local kernel cache (pip install "
-            f"kernels, then once, online: python -c \"import kernels; kernels.get_kernel({hub['repo_id']!r}, {pin})\"): "
-            "it is loaded from there, never downloaded at run time")
+            f"kernels, then once, online: python -c \"{fetch}\"): it is loaded from there, never downloaded at run "
+            "time")
 
 
 _HUB_CACHED: dict[tuple, bool] = {}

@@ -1,4 +1,4 @@
-"""Where the host time of a ``sonicmoe`` forward goes, torch next to JAX (run on the lent H200; not collected by pytest):
+"""Where a ``sonicmoe`` forward's host time goes, torch next to JAX (run on the lent H200; not collected by pytest):
 
     python tests/device_sonicmoe_host.py --out DIR [--tokens 4096] [--calls 50]
 

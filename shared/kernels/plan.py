@@ -67,7 +67,7 @@ class Problem:
     down_bias_stride: int | None = None
     device: str = "default"
     deterministic: bool = True
-    tma: bool = False  # the binding launches kernels with tensor descriptors (a global-scratch allocator, aligned weights)
+    tma: bool = False  # the binding can launch tensor descriptors (a global-scratch allocator, aligned weights)
 
     @property
     def S(self) -> int:
