@@ -94,12 +94,23 @@ class Slots:
         return torch.arange(self.count, device=self.ids.device) // self.k
 
 
+def sort_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``keys`` sorted stably: (the sorted keys; the position of each sorted row; the sorted row of each position)."""
+    sorted_keys, order = torch.sort(keys, stable=True)
+    restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return sorted_keys, order, restore
+
+
 def sort_by_expert(slots: Slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The slots sorted by expert, stably, empty slots last: (the expert of each sorted row, E for empty slots; the
     slot of each sorted row; the sorted row of each slot)."""
-    sorted_ids, order = torch.sort(slots.expert_key(), stable=True)
-    restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return sorted_ids, order, restore
+    return sort_keys(slots.expert_key())
+
+
+def expert_ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 [E]: the end of each expert's rows among ``sorted_ids`` (rows of ids >= E lie past the last end)."""
+    experts = torch.arange(1, num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, experts).to(torch.int32)
 
 
 class RowGather(torch.autograd.Function):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Slots, add_bias, combine, gate, takes_grad
+from ..base import Slots, add_bias, combine, expert_ends, gate, sort_keys, takes_grad
 from .grouped_mm import grouped_linear, grouped_weight_grad
 
 NAME = "batched_mm"
@@ -42,11 +42,8 @@ class _SortedSlots:
     """The slots sorted by expert (stably): each sorted row's slot, each slot's sorted row, each expert's end row."""
 
     def __init__(self, ids: torch.Tensor, num_experts: int):
-        sorted_ids, self.order = torch.sort(ids, stable=True)
-        self.restore = torch.empty_like(self.order).scatter_(
-            0, self.order, torch.arange(self.order.numel(), device=ids.device))
-        bounds = torch.arange(1, num_experts + 1, dtype=sorted_ids.dtype, device=ids.device)
-        self.offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+        sorted_ids, self.order, self.restore = sort_keys(ids)
+        self.offs = expert_ends(sorted_ids, num_experts)
         self.num_experts = num_experts
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..base import RowGather, Slots, TokenRows, combine, gate, sort_by_expert, takes_grad
+from ..base import RowGather, Slots, TokenRows, combine, expert_ends, gate, sort_by_expert, takes_grad
 
 NAME = "grouped_mm"
 NATIVE_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
@@ -180,8 +180,7 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     E, H, I = down_proj.shape
     slots = Slots(top_k_index, E)
     sorted_ids, order, restore = sort_by_expert(slots)
-    experts = torch.arange(1, E + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
-    offs = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # end of each expert's rows
+    offs = expert_ends(sorted_ids, E)
 
     # Empty slots sort last (id E), past offs[-1], rows the grouped matmul never reads or writes. They gather their
     # own token's row and zero bias rows (an appended row at index E), and the gathers' backwards drop their
