@@ -138,6 +138,15 @@ class Runner(ABC):
     def measure(self, backend: str, mode: str, variant: Variant, n_sets: int, timing: Timing) -> Measurement:
         """Build, warm up, time. ``run_s`` leaves out what is paid once: the build (JAX compiles there) and,
         when compiled, the first call (torch.compile compiles there)."""
+        try:
+            return self._measure(backend, mode, variant, n_sets, timing)
+        finally:
+            self.after_point()
+
+    def after_point(self) -> None:
+        """Called after each point, measured or failed."""
+
+    def _measure(self, backend: str, mode: str, variant: Variant, n_sets: int, timing: Timing) -> Measurement:
         call = self.build(backend, mode, variant)
         built = time.perf_counter()
         self.finish(call(0))
@@ -375,6 +384,12 @@ class JaxRunner(Runner):
 
     def release(self):
         self.gate_up = self.down = self.sets = None
+
+    def after_point(self):
+        # JAX backends on torch-linked kernels (sonicmoe, deepgemm) allocate through torch's caching allocator, whose
+        # cached blocks XLA cannot reuse: deepseek-v3's JAX fwd+bwd points ran out of memory behind them
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _weights_for(self, backend: str) -> tuple:
         if backend not in PEERS:

@@ -444,8 +444,10 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
     under STEP_VARIANTS: where the time goes, and which tiles to take."""
     import torch
     from triton.testing import do_bench
+    import triton
     from moe_torch.backends import triton as backend
     kernels = backend._kernels()
+    triton.set_allocator(backend._descriptor_workspace)  # run_plan sets it too; the steps here launch without it
 
     def launcher(step, env):
         args = [env[a] if isinstance(a, str) else a for a in step.inputs]
