@@ -49,9 +49,10 @@ class Slots:
     """The T*k routed slots, flattened token-major: slot s belongs to token s // k.
 
     Ids outside [0, E) (the empty slot -1, or anything unchecked) are empty: ``safe_ids`` clamps them into [0, E)
-    so that no gather reads out of bounds, and ``valid`` masks them out of the result and of every gradient (two
-    element-wise kernels: the clamp, and its comparison with the ids). On the CPU outside torch.compile one min/max
-    tells whether there are any (no device sync); without any, ``valid`` is None and nothing is masked.
+    so that no gather reads out of bounds, and ``empty`` (true for those slots) masks them out of the result and of
+    every gradient (two element-wise kernels: the clamp, and its comparison with the ids; the masks are
+    ``masked_fill``s, one kernel each). On the CPU outside torch.compile one min/max tells whether there are any
+    (no device sync); without any, ``empty`` is None and nothing is masked.
     """
 
     def __init__(self, top_k_index: torch.Tensor, num_experts: int):
@@ -59,10 +60,10 @@ class Slots:
         self.ids = top_k_index.reshape(-1)
         self.num_experts = num_experts
         if self._all_valid():
-            self.valid, self._clamped = None, self.ids
+            self.empty, self._clamped = None, self.ids
         else:
             self._clamped = self.ids.clamp(0, num_experts - 1)
-            self.valid = self._clamped == self.ids
+            self.empty = self._clamped != self.ids
 
     def _all_valid(self) -> bool:
         if self.ids.device.type != "cpu" or torch.compiler.is_compiling():
@@ -82,29 +83,39 @@ class Slots:
 
     def expert_key(self) -> torch.Tensor:
         """Each slot's expert, E for the empty ones (they sort last)."""
-        return self.ids if self.valid is None else torch.where(self.valid, self.ids, self.num_experts)
+        return self.ids if self.empty is None else self.ids.masked_fill(self.empty, self.num_experts)
 
     def mask(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` [T*k, ...] with the empty slots' entries zeroed."""
-        if self.valid is None:
+        if self.empty is None:
             return values
-        return torch.where(self.valid.view(-1, *(1,) * (values.dim() - 1)), values, 0)
+        return values.masked_fill(self.empty.view(-1, *(1,) * (values.dim() - 1)), 0)
 
     def token_of_slot(self) -> torch.Tensor:
         return torch.arange(self.count, device=self.ids.device) // self.k
 
 
-def sort_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``keys`` sorted stably: (the sorted keys; the position of each sorted row; the sorted row of each position)."""
+def sort_keys(keys: torch.Tensor, inverse: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``keys`` sorted stably: (the sorted keys; the position of each sorted row; the sorted row of each position,
+    or None without ``inverse``)."""
     sorted_keys, order = torch.sort(keys, stable=True)
+    if not inverse:
+        return sorted_keys, order, None
     restore = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return sorted_keys, order, restore
 
 
-def sort_by_expert(slots: Slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sort_by_expert(slots: Slots, inverse: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The slots sorted by expert, stably, empty slots last: (the expert of each sorted row, E for empty slots; the
-    slot of each sorted row; the sorted row of each slot)."""
-    return sort_keys(slots.expert_key())
+    slot of each sorted row; the sorted row of each slot, or None without ``inverse``)."""
+    return sort_keys(slots.expert_key(), inverse)
+
+
+def unsort_rows(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows in sorted order back in their original order (``order``: the original position of each sorted row): one
+    write to distinct rows (an index_put without accumulation: deterministic, and allowed under
+    ``torch.use_deterministic_algorithms``), no inverse permutation needed."""
+    return torch.empty_like(rows).index_put_((order,), rows)
 
 
 def expert_ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -131,7 +142,7 @@ class RowGather(torch.autograd.Function):
 
 class TokenRows(RowGather):
     """x[token]. Backward: each token's k slot gradients, put back in slot order through the permutation
-    ``restore`` (nothing accumulates) and summed over k in float32 in a fixed order; empty slots (``valid`` false,
+    ``restore`` (nothing accumulates) and summed over k in float32 in a fixed order; empty slots (``empty`` true,
     rows past the grouped matmul's offsets) are dropped."""
 
     @staticmethod
@@ -139,35 +150,37 @@ class TokenRows(RowGather):
         return x.index_select(0, token)
 
     @staticmethod
-    def forward(ctx, x, token, restore, valid, k):
-        ctx.save_for_backward(restore, valid)
+    def forward(ctx, x, token, restore, empty, k):
+        ctx.save_for_backward(restore, empty)
         ctx.slot_shape = (x.shape[0], k, x.shape[1])  # [T, k, H]
         return TokenRows.rows(x, token)
 
     @staticmethod
     def backward(ctx, grad):
-        restore, valid = ctx.saved_tensors
+        restore, empty = ctx.saved_tensors
         per_slot = grad.index_select(0, restore)
-        if valid is not None:
-            per_slot.masked_fill_(~valid[:, None], 0)
+        if empty is not None:
+            per_slot.masked_fill_(empty[:, None], 0)
         # torch sums bfloat16 and float16 in float32 and rounds once
         return per_slot.view(ctx.slot_shape).sum(1), None, None, None, None
 
 
-_VECTORIZED_COMBINE_MAX = 2**17  # elements of y up to which the combine runs as one product and one sum over k
+# elements of y up to which the combine runs as one product and one sum over k (a [T*k, H] float32 temporary; few
+# kernels), per device type; beyond, k multiply-adds into one float32 [T, H] (no temporary; k times the kernels)
+VECTORIZED_COMBINE_MAX = {"cpu": 2**17, "cuda": 2**24}
 
 
 def _weighted_sum(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor,
-                  valid: torch.Tensor | None) -> torch.Tensor:
+                  empty: torch.Tensor | None) -> torch.Tensor:
     """sum_j weights[:, j] * (slot j's row of y) in float32, j = 0..k-1 in order: y is [T, k, H] in slot order, or
-    [R, H] with ``rows`` [T, k] naming each slot's row. With ``valid``, the rows of empty slots count as zero
+    [R, H] with ``rows`` [T, k] naming each slot's row. With ``empty``, the rows of empty slots count as zero
     whatever they hold. k multiply-adds into one float32 [T, H]: no [T*k, H] temporary (in half precision each
     product is exact in float32, so every term is rounded once, by the sum)."""
     out = None
     for j in range(weights.shape[1]):
         row = y[:, j] if rows is None else y.index_select(0, rows[:, j])
-        if valid is not None:
-            row = torch.where(valid[:, j, None], row, 0)
+        if empty is not None:
+            row = row.masked_fill(empty[:, j, None], 0)
         w = weights[:, j, None]
         out = row * w.float() if out is None else out.addcmul_(row, w)
     return out
@@ -178,13 +191,13 @@ class _Combine(torch.autograd.Function):
     product, rounded once) and each weight's gradient, a float32 dot product over H; nothing [T*k, H] in float32."""
 
     @staticmethod
-    def forward(ctx, y, weights, valid, out_dtype):
-        ctx.save_for_backward(y, weights, valid)
-        return _weighted_sum(y, None, weights, valid).to(out_dtype)
+    def forward(ctx, y, weights, empty, out_dtype):
+        ctx.save_for_backward(y, weights, empty)
+        return _weighted_sum(y, None, weights, empty).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        y, weights, valid = ctx.saved_tensors
+        y, weights, empty = ctx.saved_tensors
         # one dtype: products and sums in it with float32 accumulation; mixed: in float32, rounded once at the end
         common = y.dtype if y.dtype == grad.dtype == weights.dtype else torch.float32
         grad, grad_y, grad_weights = grad.to(common), None, None
@@ -192,8 +205,8 @@ class _Combine(torch.autograd.Function):
             grad_y = (weights.to(common).unsqueeze(2) * grad.unsqueeze(1)).to(y.dtype)
         if ctx.needs_input_grad[1]:
             grad_weights = torch.bmm(y.to(common), grad.unsqueeze(2)).squeeze(2).to(weights.dtype)
-            if valid is not None:
-                grad_weights = torch.where(valid, grad_weights, 0)
+            if empty is not None:
+                grad_weights = grad_weights.masked_fill(empty, 0)
         return grad_y, grad_weights, None, None
 
 
@@ -203,16 +216,16 @@ def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtyp
     whatever their rows of ``y`` hold. ``rows`` [T*k]: the row of ``y`` of each slot, if y is not in slot order."""
     T, k = slots.T, slots.k
     weights = slots.mask(top_k_weights.reshape(-1)).view(T, k)
-    valid = None if slots.valid is None else slots.valid.view(T, k)
+    empty = None if slots.empty is None else slots.empty.view(T, k)
     if takes_grad(y, weights):
         y = y if rows is None else y.index_select(0, rows)
-        return _Combine.apply(y.view(T, k, y.shape[-1]), weights, valid, out_dtype)
-    if y.shape[-1] * slots.count <= _VECTORIZED_COMBINE_MAX:  # a few ops beat k multiply-adds
+        return _Combine.apply(y.view(T, k, y.shape[-1]), weights, empty, out_dtype)
+    if y.shape[-1] * slots.count <= VECTORIZED_COMBINE_MAX.get(y.device.type, VECTORIZED_COMBINE_MAX["cpu"]):
         y = slots.mask(y if rows is None else y.index_select(0, rows))  # times float32 weights: float32 products
         return (y.view(T, k, y.shape[-1]) * weights.float().unsqueeze(2)).sum(1).to(out_dtype)
     if rows is None:
-        return _weighted_sum(y.view(T, k, y.shape[-1]), None, weights, valid).to(out_dtype)
-    return _weighted_sum(y, rows.view(T, k), weights, valid).to(out_dtype)
+        return _weighted_sum(y.view(T, k, y.shape[-1]), None, weights, empty).to(out_dtype)
+    return _weighted_sum(y, rows.view(T, k), weights, empty).to(out_dtype)
 
 
 class _GatherRows(torch.autograd.Function):

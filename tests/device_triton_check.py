@@ -410,8 +410,9 @@ STEP_VARIANTS = [C(128, 128, 64, 8, 3, 1), C(128, 128, 64, 8, 3, 8), C(128, 128,
                  C(128, 128, 64, 8, 3, 8, True), C(128, 128, 64, 8, 4, 8, True), C(128, 256, 64, 8, 3, 8, True),
                  C(64, 128, 64, 4, 4, 8, True), C(128, 64, 64, 4, 4, 8, True),
                  # and the K loop warp-specialized (loading and multiplying warps apart)
+                 # (4 warps with warp specialization failed to compile on triton 3.6: PassManager::run failed)
                  C(128, 128, 64, 8, 3, 8, True, True), C(128, 256, 64, 8, 3, 8, True, True),
-                 C(128, 128, 64, 4, 3, 8, True, True), C(128, 128, 64, 8, 3, 8, False, True)]
+                 C(128, 128, 64, 8, 3, 8, False, True)]
 WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 64, 4, 3), C(64, 128, 128, 8, 4),
                        C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4)]
 VARIANT_TOKENS = 4096

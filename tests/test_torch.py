@@ -577,3 +577,34 @@ def test_batched_mm_sorted_backward_matches_the_reference(dtype, monkeypatch):
     expected = reference.experts_backward(**arrays, grad_output=dy)
     for name in expected:
         assert_close(f"grad_{name}", tensors[name].grad.float(), expected[name], dtype)
+
+
+# --- host path: ops per call ----------------------------------------------------------------------------------------
+
+def _top_level_ops(fn) -> list[str]:
+    """The aten ops ``fn`` calls directly (not those they call in turn): what a decode step pays the dispatcher for."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    ops = []
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and parent is None:
+            ops.append(event.name)
+    return ops
+
+
+@pytest.mark.parametrize("backend, budget", [("batched_mm", 34), ("grouped_mm", 36)])
+def test_decode_forward_op_budget(backend, budget, monkeypatch):
+    """An inference forward on the path every CUDA call takes (no host check for empty slots: they are masked)
+    calls at most ``budget`` aten ops, masks with masked_fill (a scalar where() fills a 0-dim tensor first: a
+    kernel more on CUDA) and gathers back by writing rows (no inverse permutation)."""
+    from moe_torch import base
+    monkeypatch.setattr(base.Slots, "_all_valid", lambda self: False)
+    arrays, _ = random_case(3, T=4, H=16, I=8, E=6, k=2, bias=False, empty_fraction=0.25)
+    tensors = to_torch(arrays, "bfloat16")
+    with torch.no_grad():
+        ops = _top_level_ops(lambda: experts_forward(**tensors, implementation=backend, validate=False))
+    assert len(ops) <= budget, sorted(ops)
+    assert "aten::where" not in ops and "aten::scatter_" not in ops, sorted(ops)

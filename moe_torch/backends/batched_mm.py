@@ -20,16 +20,21 @@ CHUNK_BYTES = {"cpu": 4 << 20}  # gathered weights per torch.bmm; one bmm for ev
 SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient as a grouped matmul (see _SlotLinear)
 
 
-def _chunks(slots: int, table: torch.Tensor) -> list[slice]:
+def _chunks(slots: int, table: torch.Tensor) -> list[slice] | None:
+    """The slot ranges whose gathered weights fit CHUNK_BYTES; None for one range of every slot."""
     limit = CHUNK_BYTES.get(table.device.type)
     size = slots if limit is None else max(1, limit // max(1, table[0].numel() * table.element_size()))
-    return [slice(start, start + size) for start in range(0, slots, max(size, 1))]
+    return None if size >= slots else [slice(start, start + size) for start in range(0, slots, size)]
 
 
 def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transpose: bool = False):
     """out[s] = table[ids[s]] @ x[s] ([E, N, K], [S, K] -> [S, N]); ``transpose``: table[ids[s]].T @ x[s]."""
+    chunks = _chunks(x.shape[0], table)
+    if chunks is None:  # one gather, one bmm, no slicing: the fewest ops per call (decode is host-bound)
+        return (torch.bmm(x.unsqueeze(1), table[ids]).squeeze(1) if transpose
+                else torch.bmm(table[ids], x.unsqueeze(2)).squeeze(2))
     out = x.new_empty(x.shape[0], table.shape[2] if transpose else table.shape[1])
-    for part in _chunks(x.shape[0], table):
+    for part in chunks:
         weights = table[ids[part]]
         if transpose:
             torch.bmm(x[part].unsqueeze(1), weights, out=out[part].unsqueeze(1))

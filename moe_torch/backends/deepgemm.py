@@ -27,7 +27,7 @@ from moe_shared import load_spec, requirements
 from moe_shared.contiguous_layout import check_alignment, padded_rows
 from moe_shared.contract import check_kernel_inputs
 
-from ..base import Slots, add_bias, combine, dtype_name, gate
+from ..base import Slots, add_bias, combine, dtype_name, gate, sort_by_expert
 
 NAME = "deepgemm"
 PACKAGE = "deep_gemm"
@@ -51,23 +51,23 @@ def runtime(device: torch.device) -> ModuleType:
 
 
 class Layout:
-    """The contiguous layout of the slots (see ``moe_shared.contiguous_layout``), built on their device."""
+    """The contiguous layout of the slots (see ``moe_shared.contiguous_layout``), built on their device; ``slots``:
+    the routed slots it was built from."""
 
     def __init__(self, top_k_index: torch.Tensor, num_experts: int, alignment: int = ALIGNMENT):
-        ids = top_k_index.reshape(-1).long()
-        S, E, device = ids.numel(), num_experts, ids.device
+        self.slots = slots = Slots(top_k_index.long(), num_experts)
+        S, E, device = slots.count, num_experts, slots.ids.device
         self.rows = padded_rows(S, E, alignment)
-        valid = (ids >= 0) & (ids < E)
-        sorted_ids, order = torch.sort(torch.where(valid, ids, E), stable=True)
+        sorted_ids, order, _ = sort_by_expert(slots, inverse=False)
         first = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=device))  # each expert's first sorted slot
         counts = first[1:] - first[:-1]
         sizes = (counts + alignment - 1) // alignment * alignment
         self.starts = torch.cumsum(sizes, 0) - sizes
         expert = sorted_ids.clamp(max=E - 1)
         position = torch.arange(S, device=device)
-        sorted_rows = torch.where(sorted_ids < E, self.starts[expert] + position - first[expert], self.rows)
+        sorted_rows = (self.starts[expert] + position - first[expert]).masked_fill(sorted_ids >= E, self.rows)
         self.slot_rows = torch.empty_like(sorted_rows).scatter_(0, order, sorted_rows)
-        expert_of_slot = torch.where(valid, ids, -1).to(torch.int32)
+        expert_of_slot = (slots.ids if slots.empty is None else slots.ids.masked_fill(slots.empty, -1)).int()
         self.grouped_layout = torch.full((self.rows + 1,), -1, dtype=torch.int32, device=device).index_put_(
             (self.slot_rows,), expert_of_slot)[: self.rows]  # empty slots all write -1 into the extra row
 
@@ -113,8 +113,8 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     if not torch.compiler.is_compiling():  # compiled, the custom op checks when it first runs
         runtime(gate_up_proj.device)
     E, H, I = down_proj.shape
-    slots = Slots(top_k_index, E)
     layout = Layout(top_k_index, E)
+    slots = layout.slots
     x = hidden_states.to(gate_up_proj.dtype).index_select(0, slots.token_of_slot())
     a = x.new_empty(layout.rows + 1, H).index_copy_(0, layout.slot_rows, x)
     h = deepgemm_grouped_gemm(a, gate_up_proj, layout.grouped_layout).index_select(0, layout.slot_rows)

@@ -31,7 +31,7 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     token = order // slots.k
     weight = slots.mask(top_k_weights.reshape(-1)).index_select(0, order)
     if takes_grad(x):
-        rows_of_experts = TokenRows.gather(x, token, restore, slots.valid, slots.k).split(counts)
+        rows_of_experts = TokenRows.gather(x, token, restore, slots.empty, slots.k).split(counts)
     else:
         rows_of_experts = (None,) * (E + 1)
     gate_up, down, gate_up_b, down_b = map(_per_expert, (gate_up_proj, down_proj, gate_up_bias, down_bias))

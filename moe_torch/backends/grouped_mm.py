@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..base import RowGather, Slots, TokenRows, combine, expert_ends, gate, sort_by_expert, takes_grad
+from ..base import RowGather, Slots, TokenRows, combine, expert_ends, gate, sort_by_expert, takes_grad, unsort_rows
 
 NAME = "grouped_mm"
 NATIVE_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
@@ -179,20 +179,21 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
                     activation="silu", gate_up_bias=None, down_bias=None):
     E, H, I = down_proj.shape
     slots = Slots(top_k_index, E)
-    sorted_ids, order, restore = sort_by_expert(slots)
+    differentiated = takes_grad(hidden_states, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    sorted_ids, order, restore = sort_by_expert(slots, inverse=differentiated)  # the inverse for the backward
     offs = expert_ends(sorted_ids, E)
 
     # Empty slots sort last (id E), past offs[-1], rows the grouped matmul never reads or writes. They gather their
     # own token's row and zero bias rows (an appended row at index E), and the gathers' backwards drop their
     # gradients, so whatever those rows hold never reaches a gradient; the combine zeroes their outputs exactly.
     token = order // slots.k
-    x = TokenRows.gather(hidden_states.to(gate_up_proj.dtype), token, restore, slots.valid, slots.k)
+    x = TokenRows.gather(hidden_states.to(gate_up_proj.dtype), token, restore, slots.empty, slots.k)
     h = grouped_linear(x, gate_up_proj, offs)
     if gate_up_bias is not None:
         h = h + _ExpertRows.gather(gate_up_bias, sorted_ids)
     y = grouped_linear(gate(activation, h, I).contiguous(), down_proj, offs)
     if down_bias is not None:
         y = y + _ExpertRows.gather(down_bias, sorted_ids)
-    if takes_grad(y):  # back to slot order through a gather whose backward scatters nothing
+    if differentiated:  # back to slot order through a gather whose backward scatters nothing
         return combine(_Permute.gather(y, restore, order), slots, top_k_weights, hidden_states.dtype)
-    return combine(y, slots, top_k_weights, hidden_states.dtype, rows=restore)
+    return combine(unsort_rows(y, order), slots, top_k_weights, hidden_states.dtype)
