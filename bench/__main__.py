@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from .crossover import crossover
 from .roofline import MODES
 from .peers import PEERS
 from .runners import COMPILE_PREFERENCE, RUNNERS, Timing
-from .sweep import Options, Results, default_memory_budget, run
+from .sweep import Options, Results, default_memory_budget, point_key, run
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -74,6 +75,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failing point")
+    p.add_argument("--resume", help="comma-separated result JSONs of earlier runs on this device (same dtype): "
+                   "their records are kept (each says which run measured it) and their points not run again, so "
+                   "a sweep longer than one session continues where it stopped")
     p.add_argument("--list", action="store_true", help="list the configs and the backends' availability, then exit")
     return p.parse_args(argv)
 
@@ -121,7 +125,28 @@ def options(args: argparse.Namespace) -> Options:
         n_sets=args.sets, seed=args.seed,
         memory_budget=args.mem_budget_gib * GIB if args.mem_budget_gib else default_memory_budget(device),
         max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast, peers=not args.no_peers,
+        resumed=_resumed(args.resume, device, dtype) if args.resume else (),
     )
+
+
+def _resumed(paths: str, device: torch.device, dtype: str) -> list[dict]:
+    """The records of earlier runs' JSON files, each marked with the run that measured it (``measured_in``); a point
+    in several files: the last file's."""
+    records = {}
+    for path in (Path(p.strip()) for p in paths.split(",") if p.strip()):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"--resume: cannot read {path}: {err}") from None
+        meta = data.get("meta", {})
+        got = (meta.get("device_tag"), meta.get("dtype"))
+        if got != (environment.device_tag(device), dtype):
+            raise SystemExit(f"--resume: {path} was measured on {got[0]} in {got[1]}, expected "
+                             f"{environment.device_tag(device)} in {dtype}")
+        run = {k: meta.get(k) for k in ("date", "commit")} | {"file": path.name}
+        for r in data.get("records", []):
+            records[point_key(r)] = r if "measured_in" in r else r | {"measured_in": run}
+    return list(records.values())
 
 
 def _list(opts: Options) -> int:

@@ -127,12 +127,17 @@ def write_json(path: Path, meta: Mapping, records: Sequence[Mapping]) -> None:
     path.write_text(json.dumps({"meta": dict(meta), "records": [dict(r) for r in records]}, indent=1) + "\n")
 
 
+CSV_KEYS = (*RECORD_KEYS, "measured_in")  # measured_in: "<date> <commit>" of an earlier run (--resume), else empty
+
+
 def write_csv(path: Path, records: Sequence[Mapping]) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=RECORD_KEYS)
+        writer = csv.DictWriter(f, fieldnames=CSV_KEYS)
         writer.writeheader()
         for r in records:
-            writer.writerow({k: r[k] for k in RECORD_KEYS})
+            run = r.get("measured_in")
+            writer.writerow({k: r[k] for k in RECORD_KEYS}
+                            | {"measured_in": f"{run['date']} {run['commit']}" if run else ""})
 
 
 def write_png(path: Path, records: Sequence[Mapping], title: str) -> bool:

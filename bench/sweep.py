@@ -46,6 +46,13 @@ class Options:
     max_point_s: float
     fail_fast: bool = False
     peers: bool = True  # run the peer series whose package is importable
+    resumed: Sequence[dict] = ()  # records of an earlier run (--resume): kept, and their points not run again
+
+
+def point_key(record: dict) -> tuple:
+    """What identifies a measured point across runs."""
+    return (record["framework"], record["backend"], record["config"], record["tokens"], record["mode"],
+            record["compile_mode"])
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,7 @@ def _inference_only(framework: str, backend: str) -> bool:
 def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, results: Results) -> list[Point]:
     itemsize = torch.empty(0, dtype=getattr(torch, opts.dtype)).element_size()
     device_class = opts.device.type
+    done = {point_key(r) for r in opts.resumed}
     points = []
     for fw, runner in runners.items():
         available = runner.availability()
@@ -109,6 +117,8 @@ def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, resu
                             cost_like = PEERS[backend].counterpart if backend in PEERS else backend
                             est = budget.estimate(fw, cost_like, device_class, shape, peaks, opts.n_sets)
                             skip = budget.skip_reason(est, opts.memory_budget, opts.max_call_s)
+                            if (fw, backend, cfg.name, tokens, mode, variant) in done:
+                                continue
                             if skip is None:
                                 points.append(Point(fw, backend, cfg, tokens, mode, variant))
                             else:
@@ -149,7 +159,7 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
     """Every planned point; ``checkpoint`` is called with the results so far after each one."""
     dtype = getattr(torch, opts.dtype)
     peaks = roofline.measure_peaks(opts.device, dtype)
-    results = Results(peaks)
+    results = Results(peaks, records=[r for r in opts.resumed if r["config"] in {c.name for c in opts.configs}])
     runners = {fw: RUNNERS[fw](opts.device) for fw in opts.frameworks}
     points = _plan(opts, runners, peaks, results)
     references: dict[tuple[str, int], np.ndarray] = {}

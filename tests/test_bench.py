@@ -19,7 +19,8 @@ from bench import budget, crossover, peers, report, roofline, runners
 from bench.__main__ import main
 from bench.configs import CONFIGS, get_configs, parse_tokens
 from bench.progress import progress
-from bench.report import META_KEYS, RECORD_KEYS
+from bench.report import CSV_KEYS, META_KEYS, RECORD_KEYS
+from bench.sweep import point_key
 from moe_shared import load_spec
 
 SPEC = load_spec()
@@ -104,9 +105,39 @@ def test_smoke_csv_matches_json(smoke):
     with _one(smoke, ".csv").open() as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-    assert tuple(reader.fieldnames) == RECORD_KEYS
+    assert tuple(reader.fieldnames) == CSV_KEYS and not any(r["measured_in"] for r in rows)
     assert len(rows) == len(records)
     assert [float(r["ms"]) for r in rows] == pytest.approx([r["ms"] for r in records])
+
+
+def _resume_run(out: Path, resume: str, tokens: str) -> Path:
+    argv = ["--config", "tiny", "--tokens", tokens, "--device", "cpu", "--frameworks", "torch", "--backends",
+            "grouped_mm", "--out", str(out), "--min-reps", "1", "--max-reps", "2", "--min-time", "0", "--sets", "2",
+            "--stream-rounds", "1", "--no-plot", "--resume", resume]
+    assert main(argv) == 0
+    (folder,) = out.iterdir()
+    return _one(folder, ".json")
+
+
+def test_resume_keeps_earlier_records_and_runs_only_new_points(smoke, tmp_path):
+    earlier_path = _one(smoke, ".json")
+    earlier = json.loads(earlier_path.read_text())
+    records = json.loads(_resume_run(tmp_path, str(earlier_path), "1,8,16").read_text())["records"]
+    resumed = [r for r in records if "measured_in" in r]
+    assert [{k: v for k, v in r.items() if k != "measured_in"} for r in resumed] == earlier["records"]
+    assert {r["measured_in"]["file"] for r in resumed} == {earlier_path.name}
+    assert resumed[0]["measured_in"]["date"] == earlier["meta"]["date"]
+    new = [point_key(r) for r in records if "measured_in" not in r]
+    assert sorted(new) == sorted(("torch", "grouped_mm", "tiny", 16, mode, None) for mode in ("fwd", "fwd+bwd"))
+
+
+def test_resume_refuses_another_device(smoke, tmp_path):
+    data = json.loads(_one(smoke, ".json").read_text())
+    data["meta"]["device_tag"] = "nvidia-h200"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="measured on nvidia-h200"):
+        _resume_run(tmp_path / "out", str(other), "1")
 
 
 def test_smoke_png(smoke):
