@@ -45,10 +45,15 @@ class Measurement:
     output: np.ndarray  # forward output on input set 0, float32
     run_s: float  # wall time of warm-up and timing, without one-off compilation
     stream_ms: list[float] = ()  # per call, each sample a round of calls issued back to back
+    wall_ms: list[float] = ()  # each timed call on the host's clock, from the call to its result being ready
 
     @property
     def median_ms(self) -> float:
         return statistics.median(self.ms)
+
+    @property
+    def median_wall_ms(self) -> float:
+        return statistics.median(self.wall_ms or self.ms)
 
     @property
     def median_stream_ms(self) -> float | None:
@@ -112,12 +117,14 @@ class Runner(ABC):
         """Whether this variant compiles again for new expert row counts (its warm-up grows with the hits)."""
         return False
 
-    def clock(self, call: Callable[[int], Any], i: int) -> tuple[float, Any]:
-        """Milliseconds of one call, and its result."""
+    def clock(self, call: Callable[[int], Any], i: int) -> tuple[float, float, Any]:
+        """Milliseconds of one call, the same on the host's clock (from the call to its result being ready: what
+        both frameworks measure alike), and its result."""
         t0 = time.perf_counter()
         result = call(i)
         self.finish(result)
-        return (time.perf_counter() - t0) * 1e3, result
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, ms, result
 
     def clock_stream(self, call: Callable[[int], Any], n: int) -> float:
         """Milliseconds per call of ``n`` calls issued back to back (inputs 0..n-1), waited for once at the end: the
@@ -157,16 +164,19 @@ class Runner(ABC):
                     self.finish(call(i))
         self.start_memory()
         samples: list[float] = []
+        walls: list[float] = []
         start = time.perf_counter()
         while len(samples) < timing.max_reps and (len(samples) < timing.min_reps
                                                   or time.perf_counter() - start < timing.min_time):
-            ms, result = self.clock(call, len(samples) % n_sets)
+            ms, wall, result = self.clock(call, len(samples) % n_sets)
             samples.append(ms)
+            walls.append(wall)
             if len(samples) == 1:
                 output = self.forward_output(result)
         peak = self.peak_memory_gib()
         stream = [self.clock_stream(call, n_sets) for _ in range(timing.stream_rounds)]
-        return Measurement(samples, peak, output, run_s=time.perf_counter() - setup_end, stream_ms=stream)
+        return Measurement(samples, peak, output, run_s=time.perf_counter() - setup_end, stream_ms=stream,
+                           wall_ms=walls)
 
 
 def requested_modes(compile_mode: str, allowed: Collection[str]) -> list[str]:
@@ -285,11 +295,12 @@ class TorchRunner(Runner):
         if self.device.type != "cuda":
             return super().clock(call, i)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         result = call(i)
         end.record()
         end.synchronize()
-        return start.elapsed_time(end), result
+        return start.elapsed_time(end), (time.perf_counter() - t0) * 1e3, result
 
     def clock_stream(self, call, n):
         if self.device.type != "cuda":

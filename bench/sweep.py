@@ -244,7 +244,7 @@ def _run_point(p: Point, runner: Runner, opts: Options, peaks: roofline.Peaks, h
         "peer": p.backend in PEERS, "config": cfg.name, "hidden": cfg.hidden,
         "intermediate": cfg.intermediate, "experts": cfg.experts, "top_k": cfg.top_k, "tokens": p.tokens,
         "dtype": opts.dtype, "mode": p.mode, "compiled": p.compiled, "compile_mode": p.variant, "ms": ms,
-        "stream_ms": m.median_stream_ms,
+        "stream_ms": m.median_stream_ms, "wall_ms": m.median_wall_ms,
         "floor_ms": roofline.floor_ms(n_flops, n_bytes, peaks.tflops, peaks.tbs),
         "tflops": n_flops / (ms * 1e-3) / 1e12, "peak_mem_gib": m.peak_mem_gib,
         "rel_err": relative_l2(m.output, reference),

@@ -28,7 +28,7 @@ RECORD_TYPES = {
     "framework": str, "backend": str, "library": str, "peer": bool, "config": str, "hidden": int,
     "intermediate": int, "experts": int, "top_k": int, "tokens": int, "dtype": str, "mode": str, "compiled": bool,
     "compile_mode": (str, type(None)), "ms": float, "floor_ms": float, "tflops": float,
-    "peak_mem_gib": (float, type(None)), "rel_err": float, "stream_ms": float,
+    "peak_mem_gib": (float, type(None)), "rel_err": float, "stream_ms": float, "wall_ms": float,
 }
 META_TYPES = {
     "device": str, "torch": str, "jax": (str, type(None)), "triton": (str, type(None)),
@@ -407,3 +407,28 @@ def test_profile_names_an_unknown_backend():
 
     with pytest.raises(SystemExit, match="--backends: 'nope'"):
         profile.main(["--device", "cpu", "--config", "tiny", "--tokens", "1", "--backends", "nope"])
+
+
+def test_torch_cuda_clock_gives_event_time_and_host_time(monkeypatch):
+    """On CUDA a torch call is timed by CUDA events (``ms``) and on the host's clock (``wall_ms``, as JAX's calls
+    are): the host's span holds the events' span."""
+    import time
+    import torch
+
+    class Event:  # a CUDA event stand-in that stamps the host clock when recorded
+        def __init__(self, enable_timing):
+            self.stamp = None
+
+        def record(self):
+            self.stamp = time.perf_counter()
+
+        def synchronize(self):
+            time.sleep(0.001)  # the wait for the device
+
+        def elapsed_time(self, end):
+            return (end.stamp - self.stamp) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    runner = runners.TorchRunner(torch.device("cuda"))
+    ms, wall, result = runner.clock(lambda i: time.sleep(0.002) or i, 7)
+    assert result == 7 and 2 <= ms < wall
