@@ -414,7 +414,10 @@ STEP_VARIANTS = [C(128, 128, 64, 8, 3, 1), C(128, 128, 64, 8, 3, 8), C(128, 128,
                  C(128, 128, 64, 8, 3, 8, True, True), C(128, 256, 64, 8, 3, 8, True, True),
                  C(128, 128, 64, 8, 3, 8, False, True)]
 WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 64, 4, 3), C(64, 128, 128, 8, 4),
-                       C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4)]
+                       C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4),
+                       # (rows per step, N, K): fewer rows per step make an expert's few hundred rows a loop long
+                       # enough to pipeline, and larger output tiles read each row fewer times
+                       C(32, 128, 128, 8, 4), C(32, 128, 256, 8, 3), C(32, 256, 128, 8, 3), C(16, 128, 128, 4, 4)]
 VARIANT_TOKENS = 4096
 VARIANTS = {"grouped_gemm_kernel": ("gemm", STEP_VARIANTS), "grouped_wgrad_kernel": ("wgrad", WGRAD_STEP_VARIANTS)}
 
