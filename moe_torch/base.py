@@ -45,6 +45,9 @@ def gate(activation: str | Callable, h: torch.Tensor, intermediate: int) -> torc
     return act * u if takes_grad(h) else act.mul_(u)  # in place where nothing is saved for a backward
 
 
+_NOT_YET = object()
+
+
 class Slots:
     """The T*k routed slots, flattened token-major: slot s belongs to token s // k.
 
@@ -60,10 +63,18 @@ class Slots:
         self.ids = top_k_index.reshape(-1)
         self.num_experts = num_experts
         if self._all_valid():
-            self.empty, self._clamped = None, self.ids
+            self._empty, self._clamped = None, self.ids
         else:
             self._clamped = self.ids.clamp(0, num_experts - 1)
-            self.empty = self._clamped != self.ids
+            self._empty = _NOT_YET
+
+    @property
+    def empty(self) -> torch.Tensor | None:
+        """[T*k] bool, true for the empty slots; None where there are none. Made at its first use, so that a
+        backend's first big gather is issued right after the clamp (decode waits on the host for it)."""
+        if self._empty is _NOT_YET:
+            self._empty = self._clamped != self.ids
+        return self._empty
 
     def _all_valid(self) -> bool:
         if self.ids.device.type != "cpu" or torch.compiler.is_compiling():

@@ -595,7 +595,7 @@ def _top_level_ops(fn) -> list[str]:
     return ops
 
 
-@pytest.mark.parametrize("backend, budget", [("batched_mm", 34), ("grouped_mm", 36)])
+@pytest.mark.parametrize("backend, budget", [("batched_mm", 32), ("grouped_mm", 36)])
 def test_decode_forward_op_budget(backend, budget, monkeypatch):
     """An inference forward on the path every CUDA call takes (no host check for empty slots: they are masked)
     calls at most ``budget`` aten ops, masks with masked_fill (a scalar where() fills a 0-dim tensor first: a
@@ -608,3 +608,7 @@ def test_decode_forward_op_budget(backend, budget, monkeypatch):
         ops = _top_level_ops(lambda: experts_forward(**tensors, implementation=backend, validate=False))
     assert len(ops) <= budget, sorted(ops)
     assert "aten::where" not in ops and "aten::scatter_" not in ops, sorted(ops)
+    if backend == "batched_mm":  # the weights' gather is the first kernel after the clamp; the empty-slot mask last
+        between = ops[ops.index("aten::clamp") + 1: ops.index("aten::index")]
+        assert set(between) <= {"aten::to", "aten::select", "aten::view"}, between  # no kernels: views, a no-op cast
+        assert ops.index("aten::ne") > ops.index("aten::bmm"), ops

@@ -98,14 +98,22 @@ def _slot_linear(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> tor
     return _slot_products(x, table, ids)
 
 
+def _first_projection(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """table[ids[s]] @ x[s // k] for every slot s. At inference on one chunk: each token's k gathered matrices as
+    one [k*N, K] matrix times the token's row (no copy of x per slot); else through a row per slot, whose gradient
+    sums a token's k slots in float32 (a sum over k, no scatter)."""
+    T, k, (N, K) = slots.T, slots.k, table.shape[1:]
+    if not takes_grad(x, table) and _chunks(slots.count, table) is None:
+        return torch.bmm(table[ids].reshape(T, k * N, K), x.unsqueeze(2)).view(T * k, N)
+    return _slot_linear(x.unsqueeze(1).expand(T, k, K).reshape(T * k, K), table, ids)
+
+
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
     E, H, I = down_proj.shape
     slots = Slots(top_k_index, E)
     ids = slots.safe_ids
     x = hidden_states.to(gate_up_proj.dtype)
-    # each token's row once per slot; the gradient sums a token's k slots in float32 (a sum over k, no scatter)
-    x = x.unsqueeze(1).expand(slots.T, slots.k, H).reshape(slots.count, H)
-    a = gate(activation, add_bias(_slot_linear(x, gate_up_proj, ids), gate_up_bias, ids), I)
+    a = gate(activation, add_bias(_first_projection(x, gate_up_proj, ids, slots), gate_up_bias, ids), I)
     y = add_bias(_slot_linear(a.contiguous(), down_proj, ids), down_bias, ids)
     return combine(y, slots, top_k_weights, hidden_states.dtype)
