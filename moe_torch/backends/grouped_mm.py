@@ -157,7 +157,7 @@ class _ExpertRows(RowGather):
     def backward(ctx, grad):
         (expert,) = ctx.saved_tensors
         one_hot = expert == torch.arange(ctx.num_experts, device=expert.device, dtype=expert.dtype)[:, None]
-        rows = torch.where((expert < ctx.num_experts)[:, None], grad, 0)
+        rows = grad.masked_fill((expert >= ctx.num_experts)[:, None], 0)
         return one_hot.to(grad.dtype) @ rows, None
 
 

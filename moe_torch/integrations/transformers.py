@@ -116,7 +116,7 @@ def experts_function(backend: str) -> Callable:
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         arguments = contract_arguments(module)
         if getattr(module, "_is_expert_parallel", False):
-            top_k_index = torch.where(top_k_index >= module.num_experts, _SPEC.empty_slot, top_k_index)
+            top_k_index = top_k_index.masked_fill(top_k_index >= module.num_experts, _SPEC.empty_slot)
         k = top_k_index.shape[-1]
         out = experts_forward(hidden_states.reshape(-1, hidden_states.shape[-1]), top_k_index.reshape(-1, k),
                               top_k_weights.reshape(-1, k), implementation=backend, **arguments)
