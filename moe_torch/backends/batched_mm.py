@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Slots, add_bias, combine, expert_ends, gate, sort_keys, takes_grad
+from ..base import Slots, add_bias, combine, expert_ends, gate, sort_keys, takes_grad, unsort_rows
 from .grouped_mm import grouped_linear, grouped_weight_grad
 
 NAME = "batched_mm"
@@ -44,10 +44,10 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
 
 
 class _SortedSlots:
-    """The slots sorted by expert (stably): each sorted row's slot, each slot's sorted row, each expert's end row."""
+    """The slots sorted by expert (stably): each sorted row's slot, each expert's end row."""
 
     def __init__(self, ids: torch.Tensor, num_experts: int):
-        sorted_ids, self.order, self.restore = sort_keys(ids)
+        sorted_ids, self.order, _ = sort_keys(ids, inverse=False)
         self.offs = expert_ends(sorted_ids, num_experts)
         self.num_experts = num_experts
 
@@ -78,13 +78,13 @@ class _SlotLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, table, ids = ctx.saved_tensors
         grad = grad.contiguous()
-        sorted_input_grad = grad.device.type in SORTED_INPUT_GRAD
+        sorted_input_grad = grad.device.type in SORTED_INPUT_GRAD and ctx.needs_input_grad[0]
         slots = _SortedSlots(ids, table.shape[0]) if ctx.needs_input_grad[1] or sorted_input_grad else None
         grad_rows = slots.rows(grad) if slots is not None else None
         grad_x = grad_table = None
         if ctx.needs_input_grad[0]:
             if sorted_input_grad:  # grad[s] @ table[ids[s]] for the sorted rows, back to slot order
-                grad_x = grouped_linear(grad_rows, table.transpose(1, 2), slots.offs).index_select(0, slots.restore)
+                grad_x = unsort_rows(grouped_linear(grad_rows, table.transpose(1, 2), slots.offs), slots.order)
             else:
                 grad_x = _slot_products(grad, table, ids, transpose=True)
         if ctx.needs_input_grad[1]:

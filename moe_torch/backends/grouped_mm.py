@@ -28,12 +28,17 @@ def _aligned(t: torch.Tensor, *dims: int) -> bool:
     return offset_ok and all((t.stride(d) * size) % _ALIGN == 0 for d in dims)
 
 
-def native_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether F.grouped_mm takes ``a`` [S, K] and ``w.transpose(1, 2)`` for w [E, N, K] as they are."""
+def _native_dtype(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether F.grouped_mm exists and takes both operands' dtype on their device (here, or under torch.compile)."""
     if not hasattr(F, "grouped_mm"):
         return False
     allowed = _COMPILED_NATIVE_DTYPES if torch.compiler.is_compiling() else NATIVE_DTYPES.get(a.device.type, ())
-    if a.dtype not in allowed or w.dtype != a.dtype:
+    return a.dtype in allowed and b.dtype == a.dtype
+
+
+def native_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether F.grouped_mm takes ``a`` [S, K] and ``w.transpose(1, 2)`` for w [E, N, K] as they are."""
+    if not _native_dtype(a, w):
         return False
     b = w.transpose(1, 2)
     if not (a.stride(-1) == 1 and _aligned(a, 0)):
@@ -46,10 +51,7 @@ def native_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
 def k_grouped_supported(grad: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether F.grouped_mm takes ``grad.t()`` [N, R] and ``a`` [R, K] as they are (the K-grouped form: one
     [N, K] product per row group, the weight gradient of a grouped matmul)."""
-    if not hasattr(F, "grouped_mm"):
-        return False
-    allowed = _COMPILED_NATIVE_DTYPES if torch.compiler.is_compiling() else NATIVE_DTYPES.get(a.device.type, ())
-    if a.dtype not in allowed or grad.dtype != a.dtype:
+    if not _native_dtype(a, grad):
         return False
     return grad.stride(-1) == 1 and a.stride(-1) == 1 and _aligned(grad, 0) and _aligned(a, 0)
 
