@@ -57,6 +57,12 @@ def commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def versions() -> dict[str, str | None]:
+# the packages the kernel backends and peers run on, recorded where installed (distribution names)
+KERNEL_PACKAGES = ("jax-triton", "sonic-moe", "quack-kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi",
+                   "torch-c-dlpack-ext", "sgl-deep-gemm", "kernels", "transformers", "tokamax")
+
+
+def versions() -> dict:
+    installed = {name: _version(name) for name in KERNEL_PACKAGES}
     return {"torch": torch.__version__, "jax": _version("jax"), "triton": _version("triton"),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "packages": {k: v for k, v in installed.items() if v is not None}}

@@ -14,6 +14,7 @@ JSON. Compare a backend with its transformers peer on the same inputs to see whi
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import environment
 from .configs import get_configs, parse_tokens
 from .inputs import make_sets, make_weights
 from .runners import TorchRunner
@@ -122,7 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(render(point, args.top), flush=True)
             runner.release()
     if args.out is not None:
-        args.out.write_text(json.dumps({"device": str(device), "points": points}, indent=1) + "\n")
+        meta = {**environment.versions(), "commit": environment.commit(),
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "command": ["python", "-m", "bench.profile", *(sys.argv[1:] if argv is None else argv)]}
+        args.out.write_text(json.dumps({"device": str(device), "meta": meta, "points": points}, indent=1) + "\n")
     return 0
 
 

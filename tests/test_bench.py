@@ -82,6 +82,13 @@ def test_smoke_json_schema(smoke):
         assert r["compile_mode"] == (runners.JIT if jitted else None) and r["compiled"] == jitted
 
 
+def test_smoke_meta_records_the_installed_kernel_packages(smoke):
+    import importlib.metadata
+    packages = json.loads(_one(smoke, ".json").read_text())["meta"]["packages"]
+    assert packages["transformers"] == importlib.metadata.version("transformers")
+    assert "sonic-moe" not in packages  # not installed here: left out, not recorded as None
+
+
 def test_smoke_has_the_transformers_peers_on_the_same_inputs(smoke):
     records = json.loads(_one(smoke, ".json").read_text())["records"]
     theirs = {(r["backend"], r["mode"], r["tokens"]) for r in records if r["library"] == "transformers"}
@@ -392,7 +399,9 @@ def test_profile_reports_each_points_ops(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert profile.main(["--device", "cpu", "--config", "tiny", "--tokens", "2", "--modes", "fwd",
                          "--backends", "batched_mm,transformers:grouped_mm", "--calls", "2", "--out", str(out)]) == 0
-    points = json.loads(out.read_text())["points"]
+    written = json.loads(out.read_text())
+    points = written["points"]
+    assert written["meta"]["torch"] and "transformers" in written["meta"]["packages"]
     assert [(p["backend"], p["tokens"], p["mode"]) for p in points] == [("batched_mm", 2, "fwd"),
                                                                       ("transformers:grouped_mm", 2, "fwd")]
     ops = {p["backend"]: {r["op"]: r for r in p["ops"]} for p in points}
