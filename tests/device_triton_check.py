@@ -409,10 +409,14 @@ STEP_VARIANTS = [C(128, 128, 64, 8, 3, 1), C(128, 128, 64, 8, 3, 8), C(128, 128,
                  # the weight tiles through tensor descriptors (TMA) instead of masked pointers
                  C(128, 128, 64, 8, 3, 8, True), C(128, 128, 64, 8, 4, 8, True), C(128, 256, 64, 8, 3, 8, True),
                  C(64, 128, 64, 4, 4, 8, True), C(128, 64, 64, 4, 4, 8, True),
-                 # and the K loop warp-specialized (loading and multiplying warps apart)
-                 # (4 warps with warp specialization failed to compile on triton 3.6: PassManager::run failed)
+                 # and the K loop warp-specialized (loading and multiplying warps apart; 4 warps with warp
+                 # specialization failed to compile on triton 3.6: PassManager::run failed)
                  C(128, 128, 64, 8, 3, 8, True, True), C(128, 256, 64, 8, 3, 8, True, True),
-                 C(128, 128, 64, 8, 3, 8, False, True)]
+                 C(128, 128, 64, 8, 3, 8, False, True),
+                 # 64-row blocks: at T=4096 deepseek-v3's experts take 128 rows on average and qwen3's 256, so
+                 # 128-row blocks leave a third (a fifth) of the tile rows padding
+                 C(64, 128, 64, 8, 4, 8), C(64, 256, 64, 8, 3, 8), C(64, 128, 128, 4, 3, 8),
+                 C(64, 128, 64, 4, 4, 8, True), C(64, 256, 64, 8, 3, 8, True)]
 WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 64, 4, 3), C(64, 128, 128, 8, 4),
                        C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4),
                        # (rows per step, N, K): fewer rows per step make an expert's few hundred rows a loop long
