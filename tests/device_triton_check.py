@@ -11,6 +11,7 @@ processes, which also compile in parallel). ``graphs``: CUDA-graph capture and r
 variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against pointer loads, torch and JAX.
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
+``--merge-steps RESULTS...`` (no GPU): the fastest variant of each step into the tile-config table.
 ``tune``: times candidate tile configs per kernel and shape (compiled in parallel first), writes the best as
 ``<configs-out>/nvidia-h200.json`` (the format of shared/kernels/configs) and the decode threshold per shape.
 """
@@ -513,6 +514,46 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
         torch.cuda.empty_cache()
 
 
+# the (kernel, N, K) of each labelled GEMM step of a shape (H, I): the keys of the tile-config table
+STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("down", H, I),
+             "dgrad_down": lambda H, I: ("dgrad_down", I, H), "dgrad_up": lambda H, I: ("dgrad_up", H, 2 * I),
+             "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H)}
+CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE")
+
+
+def merge_step_variants(result_files, table_path: Path) -> list[dict]:
+    """Write the fastest measured variant of each GEMM step (``--parts steps`` results) into the tile-config table
+    as a ``"timed": "step alone"`` entry, replacing the entry of the same kernel, shape and slot count. Returns the
+    entries written."""
+    best = {}
+    for path in result_files:
+        for r in json.loads(Path(path).read_text())["results"]:
+            if r["kind"] != "step-variants":
+                continue
+            for t in r["detail"]:
+                if t.get("ms") is None:
+                    continue
+                H, I, E, k = SHAPES[t["shape"]]
+                kernel, N, K = STEP_KEYS[t["step"]](H, I)
+                key = (kernel, N, K, E, t["T"] * k)
+                if key not in best or t["ms"] < best[key]["ms"]:
+                    best[key] = t | {"source": Path(path).name}
+    written = []
+    for (kernel, N, K, E, slots), t in best.items():
+        config = dict(zip(CONFIG_FIELDS, t["config"]))
+        config = {f: v for f, v in config.items() if v is not None}
+        if "TMA" in config:
+            config["TMA"] = bool(config["TMA"])
+        written.append({"kernel": kernel, "N": N, "K": K, "E": E, "slots": slots, "config": config, "ms": t["ms"],
+                        "timed": "step alone", "source": t["source"]})
+    table = json.loads(table_path.read_text())
+    keys = {(w["kernel"], w["N"], w["K"], w["E"], w["slots"]) for w in written}
+    table["configs"] = [c for c in table["configs"]
+                        if (c["kernel"], c["N"], c["K"], c["E"], c["slots"]) not in keys] + written
+    table_path.write_text(json.dumps(table, indent=1) + "\n")
+    return written
+
+
 # --- JAX training at large token counts -------------------------------------------------------------------------
 
 def large_jax_training(results, tokens=(16384, 65536)):
@@ -617,11 +658,18 @@ def main():
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--configs-out", type=Path, default=Path("/tmp/moe-configs"))
     p.add_argument("--variant-kinds", default="gemm,wgrad", help="steps part: which GEMM kinds get variants")
+    p.add_argument("--merge-steps", nargs="+", type=Path, metavar="RESULTS",
+                   help="no GPU: write the fastest step variants of these --parts steps results into --table")
+    p.add_argument("--table", type=Path, default=Path(plans.CONFIG_DIR) / "nvidia-h200.json")
     p.add_argument("--worker")
     p.add_argument("--index", type=int)
     p.add_argument("--count", type=int)
     p.add_argument("--worker-out")
     args = p.parse_args()
+    if args.merge_steps:
+        for w in merge_step_variants(args.merge_steps, args.table):
+            print(w["kernel"], w["N"], w["K"], w["E"], w["slots"], w["config"], w["ms"])
+        return
     if args.worker:
         {"vectors": vectors_worker, "tune": tune_worker}[args.worker](args.index, args.count, args.worker_out)
         return

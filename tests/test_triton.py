@@ -8,6 +8,7 @@ tests/device_triton_check.py.
 from __future__ import annotations
 
 import importlib.util
+import json
 from functools import partial
 
 import jax
@@ -484,3 +485,49 @@ def test_tracing_reads_no_address_of_cuda_weights():
         gate_up = torch.empty(3, 32, 32, device="cuda", dtype=torch.bfloat16)
         down = torch.empty(3, 32, 16, device="cuda", dtype=torch.bfloat16)
         assert not torch_triton_backend.tensor_descriptors_allowed(gate_up, down)
+
+
+def test_tuned_tables_hold_tile_configs_the_planner_picks():
+    """Every entry of the checked-in tables is a TileConfig of power-of-two tiles for a kernel the plans name; the
+    planner takes the entry of the nearest slot count for its shape."""
+    kernels = {"gate_up", "down", "dgrad_down", "dgrad_up", "wgrad", "decode"}
+    for path in plans.CONFIG_DIR.glob("*.json"):
+        table = json.loads(path.read_text())
+        device = table["device"]
+        assert plans.device_file_name(device) == path.stem
+        for entry in table["configs"]:
+            cfg = plans.TileConfig(**entry["config"])
+            assert entry["kernel"] in kernels, entry
+            assert all(v & (v - 1) == 0 for v in (cfg.BM, cfg.BN, cfg.BK)), entry
+            assert plans.tile_config(device, entry["kernel"], entry["N"], entry["K"], entry["E"],
+                                     entry["slots"]) == cfg
+
+
+def test_merging_step_variants_keeps_the_fastest_per_step(tmp_path):
+    """``device_triton_check.py --merge-steps``: the fastest measured variant of each step replaces the table's
+    entry of that kernel, shape and slot count; failed variants and other entries are left alone."""
+    import device_triton_check as check
+    H, I, E, k = check.SHAPES["qwen3-30b-a3b"]
+    kept = {"kernel": "gate_up", "N": I, "K": H, "E": E, "slots": 512, "config": {"BM": 16}, "ms": 1.0}
+    replaced = {"kernel": "down", "N": H, "K": I, "E": E, "slots": 4096 * k, "config": {"BM": 16}, "ms": 9.0}
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"device": "X", "configs": [kept, replaced]}))
+    step = {"shape": "qwen3-30b-a3b", "T": 4096, "step": "down"}
+    results = tmp_path / "steps.json"
+    results.write_text(json.dumps({"results": [
+        {"kind": "steps", "detail": [step | {"ms": 0.1, "config": [128, 128, 64, 8, 3, 1, 0, False]}]},
+        {"kind": "step-variants", "detail": [
+            step | {"ms": 0.30, "config": [128, 128, 64, 8, 3, 8, 0, False]},
+            step | {"ms": 0.27, "config": [128, 256, 64, 8, 3, 8, 1, True]},
+            {"config": [128, 256, 64, 8, 4, 8, 1, False], "error": "out of resource"}]},
+        {"kind": "step-variants", "detail": [
+            step | {"step": "wgrad_gate_up", "ms": 0.7, "config": [64, 128, 128, 8, 3, None, None, None]}]}]}))
+    check.merge_step_variants([results], table)
+    configs = {(c["kernel"], c["N"], c["K"], c["slots"]): c for c in json.loads(table.read_text())["configs"]}
+    assert configs["gate_up", I, H, 512] == kept
+    down = configs["down", H, I, 4096 * k]
+    assert down["ms"] == 0.27 and down["timed"] == "step alone"
+    assert plans.TileConfig(**down["config"]) == plans.TileConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3,
+                                                                  GROUP_M=8, TMA=True, WARP_SPECIALIZE=True)
+    assert configs["wgrad", 2 * I, H, 4096 * k]["config"] == {"BM": 64, "BN": 128, "BK": 128, "num_warps": 8,
+                                                              "num_stages": 3}
