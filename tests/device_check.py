@@ -141,9 +141,9 @@ def torch_checks(results):
 
 
 def native_dtype_check(results, device: str = "cuda"):
-    """Whether F.grouped_mm on CUDA is exact enough in float32 and float16 (grouped_mm takes it there only for
-    bfloat16 today): every vector of those dtypes through grouped_mm with the native op allowed for them, forward and
-    gradients against the float64 reference within the tolerance table, and the op that ran."""
+    """Whether F.grouped_mm on CUDA is exact enough in float32 and float16 (what ``NATIVE_DTYPES`` allows it there):
+    every vector of those dtypes through grouped_mm with the native op allowed for them, forward and gradients
+    against the float64 reference within the tolerance table, and the op that ran."""
     import torch
     from moe_torch.backends import grouped_mm as backend
     import moe_torch
@@ -155,7 +155,7 @@ def native_dtype_check(results, device: str = "cuda"):
         ts = {n: torch.from_numpy(np.ascontiguousarray(a)).to(dev) if n == "top_k_index" else
               torch.from_numpy(np.ascontiguousarray(a)).to(dev).to(DT[dtype]).requires_grad_()
               for n, a in inputs.items()}
-        backend.NATIVE_DTYPES[device] = (*allowed, DT[dtype])
+        backend.NATIVE_DTYPES[device] = tuple({*allowed, DT[dtype]})
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 out = moe_torch.experts_forward(**ts, implementation="grouped_mm", activation=activation)

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from ..base import RowGather, Slots, TokenRows, combine, expert_ends, gate, sort_by_expert, takes_grad, unsort_rows
 
 NAME = "grouped_mm"
-NATIVE_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+# F.grouped_mm's dtypes per device that pass every shared vector of that dtype (on CUDA float32 and float16 checked
+# on the H200, torch 2.11: tests/device_results/nvidia-h200-native-dtypes.json; float32 runs without TF32)
+NATIVE_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
+                 "cuda": (torch.bfloat16, torch.float32, torch.float16)}
 _COMPILED_NATIVE_DTYPES = (torch.bfloat16,)  # what inductor lowers grouped_mm for
 _ALIGN = 16  # bytes: grouped_mm needs 16-byte aligned strides and base pointers
 K_GROUPED_DEVICES = ("cuda",)  # grouped_weight_grad as one F.grouped_mm (on the CPU the per-expert loop is faster)
