@@ -222,17 +222,22 @@ class _Combine(torch.autograd.Function):
 
 
 def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtype: torch.dtype,
-            rows: torch.Tensor | None = None) -> torch.Tensor:
+            rows: torch.Tensor | None = None, empty_rows_zero: bool = False) -> torch.Tensor:
     """sum_j w[t, j] * y[t*k + j] in float32, in order over j (deterministic: no scatter); empty slots exactly zero,
-    whatever their rows of ``y`` hold. ``rows`` [T*k]: the row of ``y`` of each slot, if y is not in slot order."""
+    whatever their rows of ``y`` hold. ``rows`` [T*k]: the row of ``y`` of each slot, if y is not in slot order.
+    ``empty_rows_zero``: the caller made the empty slots' rows zeros, so only their weights are masked (the same
+    bits; at inference k masking kernels fewer)."""
     T, k = slots.T, slots.k
     weights = slots.mask(top_k_weights.reshape(-1)).view(T, k)
     empty = None if slots.empty is None else slots.empty.view(T, k)
     if takes_grad(y, weights):
         y = y if rows is None else y.index_select(0, rows)
         return _Combine.apply(y.view(T, k, y.shape[-1]), weights, empty, out_dtype)
+    if empty_rows_zero:
+        empty = None
     if y.shape[-1] * slots.count <= VECTORIZED_COMBINE_MAX.get(y.device.type, VECTORIZED_COMBINE_MAX["cpu"]):
-        y = slots.mask(y if rows is None else y.index_select(0, rows))  # times float32 weights: float32 products
+        y = y if rows is None else y.index_select(0, rows)
+        y = y if empty is None else y.masked_fill(empty.view(-1, 1), 0)  # times float32 weights: float32 products
         return (y.view(T, k, y.shape[-1]) * weights.float().unsqueeze(2)).sum(1).to(out_dtype)
     if rows is None:
         return _weighted_sum(y.view(T, k, y.shape[-1]), None, weights, empty).to(out_dtype)

@@ -21,6 +21,7 @@ import moe_torch
 from moe_jax.backends import deepgemm as jax_deepgemm
 from moe_shared import reference, registry, relative_l2, requirements
 from moe_shared.contiguous_layout import contiguous_layout, padded_rows
+from moe_torch import base as torch_base
 from moe_torch.backends import deepgemm as torch_deepgemm
 from moe_torch.backends import deepgemm_megamoe
 from support import CASES, SPEC, case_id, padded_arrays, random_case
@@ -207,6 +208,29 @@ def test_shared_vectors(fake, case):
     theirs = np.asarray(jax_forward(padded, case.activation).astype(jnp.float32), np.float64)[:, :H]
     assert relative_l2(ours, case.expected["out"]) <= SPEC.tolerance_for("bfloat16")
     np.testing.assert_array_equal(theirs, ours)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("vectorized", [True, False], ids=["one-sum", "k-steps"])
+def test_empty_slots_are_zero_whatever_the_extra_row_holds(fake, monkeypatch, bias, vectorized):
+    """Empty and out-of-range slots read the GEMMs' extra last row, undefined as DeepGEMM leaves it (NaN here):
+    the output is still the reference's, in both combine forms."""
+    gemm = torch_deepgemm.deepgemm_grouped_gemm
+
+    def undefined_extra_row(a, w, grouped_layout):
+        d = gemm(a, w, grouped_layout)
+        d[-1] = float("nan")
+        return d
+
+    monkeypatch.setattr(torch_deepgemm, "deepgemm_grouped_gemm", undefined_extra_row)
+    if not vectorized:
+        monkeypatch.setitem(torch_base.VECTORIZED_COMBINE_MAX, "cpu", 0)
+    arrays, _ = random_case(21, T=33, H=64, I=64, E=5, k=3, bias=bias, empty_fraction=0.3)
+    arrays["top_k_index"][::5, 1] = 7  # unchecked out of range
+    cleaned = dict(arrays, top_k_index=np.where(arrays["top_k_index"] >= 5, -1, arrays["top_k_index"]))
+    ours = torch_forward(arrays).double().numpy()
+    assert np.isfinite(ours).all()
+    assert relative_l2(ours, reference.experts_forward(**cleaned)) <= SPEC.tolerance_for("bfloat16")
 
 
 def test_n_major_weights_run_in_place_through_the_nn_kernel(fake):

@@ -5,8 +5,9 @@ Routing runs on the device with no host sync: a stable sort of the slots by expe
 multiple of 128 in a buffer of a static upper bound of rows (``moe_shared.contiguous_layout``), padding rows marked
 -1 in the int32 per-row ``grouped_layout`` (DeepGEMM skips blocks that start with one). Token rows are copied into
 their slots' rows, the gate/up GEMM, the gated activation and the down GEMM run, and the combine gathers each slot's
-row back and sums over k in float32 in a fixed order. Empty and out-of-range slots get no row; padding rows of the
-GEMM outputs are never used. Each GEMM is the custom op ``moe_torch::deepgemm_grouped_gemm`` (opaque to the
+row back and sums over k in float32 in a fixed order. Empty and out-of-range slots get no row (they read the down
+GEMM's extra last row, zeroed, so the combine masks only their weights); padding rows of the GEMM outputs are never
+used. Each GEMM is the custom op ``moe_torch::deepgemm_grouped_gemm`` (opaque to the
 compiler, with a fake implementation), so ``torch.compile(fullgraph=True)`` traces the rest.
 
 Inference only: the weight gradients would need DeepGEMM's k-grouped GEMM (``k_grouped_bf16_gemm_tn_contiguous``
@@ -120,5 +121,7 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     h = deepgemm_grouped_gemm(a, gate_up_proj, layout.grouped_layout).index_select(0, layout.slot_rows)
     act = gate(activation, add_bias(h, gate_up_bias, slots.safe_ids), I)
     a = act.new_empty(layout.rows + 1, I).index_copy_(0, layout.slot_rows, act)
-    y = deepgemm_grouped_gemm(a, down_proj, layout.grouped_layout).index_select(0, layout.slot_rows)
-    return combine(add_bias(y, down_bias, slots.safe_ids), slots, top_k_weights, hidden_states.dtype)
+    y = deepgemm_grouped_gemm(a, down_proj, layout.grouped_layout)
+    y[-1].zero_()  # the row of every empty slot
+    y = add_bias(y.index_select(0, layout.slot_rows), down_bias, slots.safe_ids)
+    return combine(y, slots, top_k_weights, hidden_states.dtype, empty_rows_zero=down_bias is None)
