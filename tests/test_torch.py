@@ -579,6 +579,46 @@ def test_batched_mm_sorted_backward_matches_the_reference(dtype, monkeypatch):
         assert_close(f"grad_{name}", tensors[name].grad.float(), expected[name], dtype)
 
 
+@pytest.mark.parametrize("trained", [("hidden_states",), ("gate_up_bias",), ("down_proj",), ("top_k_weights",),
+                                     ("hidden_states", "gate_up_proj", "down_proj", "top_k_weights")],
+                         ids=lambda t: "+".join(t))
+def test_batched_mm_sorts_once_for_both_projections(trained, monkeypatch):
+    """The CUDA backward path (run on the CPU) sorts the slots once per call, in the forward, when a projection's
+    backward needs them (not for the routing weights' gradient alone), and the gradients match the reference."""
+    from moe_shared import reference
+    from moe_torch.backends import batched_mm
+
+    monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
+    monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
+    arrays, dy = random_case(18, T=13, H=16, I=8, E=5, k=3, bias=True, empty_fraction=0.2)
+    tensors = to_torch(arrays, "float32")
+    for name in trained:
+        tensors[name].requires_grad_()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        experts_forward(**tensors, implementation="batched_mm").backward(to_torch({"g": dy}, "float32")["g"])
+    sorts = 0 if trained == ("top_k_weights",) else 1
+    assert {e.key: e.count for e in prof.key_averages()}.get("aten::sort", 0) == sorts
+    expected = reference.experts_backward(**arrays, grad_output=dy)
+    for name in trained:
+        assert_close(f"grad_{name}", tensors[name].grad, expected[name], "float32")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
+def test_gate_backward_gives_autograds_bits(activation):
+    """The gate's own backward ([dg, du] in one buffer) gives the bits of autograd through act(g) * u."""
+    from moe_torch.base import ACTIVATIONS, gate
+
+    h = (torch.randn(37, 2 * 24) * 3).bfloat16()
+    grad = torch.randn(37, 24).bfloat16()
+    ours, theirs = h.clone().requires_grad_(), h.clone().requires_grad_()
+    out = gate(activation, ours, 24)
+    out.backward(grad)
+    reference_out = ACTIVATIONS[activation](theirs[:, :24]) * theirs[:, 24:]
+    reference_out.backward(grad)
+    np.testing.assert_array_equal(out.detach().float().numpy(), reference_out.detach().float().numpy())
+    np.testing.assert_array_equal(ours.grad.float().numpy(), theirs.grad.float().numpy())
+
+
 # --- host path: ops per call ----------------------------------------------------------------------------------------
 
 def _top_level_ops(fn) -> list[str]:

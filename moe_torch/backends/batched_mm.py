@@ -46,10 +46,14 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
 class _SortedSlots:
     """The slots sorted by expert (stably): each sorted row's slot, each expert's end row."""
 
-    def __init__(self, ids: torch.Tensor, num_experts: int):
-        sorted_ids, self.order, _ = sort_keys(ids, inverse=False)
-        self.offs = expert_ends(sorted_ids, num_experts)
-        self.num_experts = num_experts
+    def __init__(self, order: torch.Tensor, offs: torch.Tensor, num_experts: int):
+        self.order, self.offs, self.num_experts = order, offs, num_experts
+
+    @staticmethod
+    def sort(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, sorted ids) of the slots' expert ids."""
+        sorted_ids, order, _ = sort_keys(ids, inverse=False)
+        return order, sorted_ids
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, self.order)
@@ -70,16 +74,16 @@ class _SlotLinear(torch.autograd.Function):
     gathers the weights again, in cache-sized chunks."""
 
     @staticmethod
-    def forward(ctx, x, table, ids):
-        ctx.save_for_backward(x, table, ids)
+    def forward(ctx, x, table, ids, order, offs):
+        ctx.save_for_backward(x, table, ids, order, offs)
         return _slot_products(x, table, ids)
 
     @staticmethod
     def backward(ctx, grad):
-        x, table, ids = ctx.saved_tensors
+        x, table, ids, order, offs = ctx.saved_tensors
         grad = grad.contiguous()
         sorted_input_grad = grad.device.type in SORTED_INPUT_GRAD and ctx.needs_input_grad[0]
-        slots = _SortedSlots(ids, table.shape[0]) if ctx.needs_input_grad[1] or sorted_input_grad else None
+        slots = _SortedSlots(order, offs, table.shape[0]) if ctx.needs_input_grad[1] or sorted_input_grad else None
         grad_rows = slots.rows(grad) if slots is not None else None
         grad_x = grad_table = None
         if ctx.needs_input_grad[0]:
@@ -89,23 +93,25 @@ class _SlotLinear(torch.autograd.Function):
                 grad_x = _slot_products(grad, table, ids, transpose=True)
         if ctx.needs_input_grad[1]:
             grad_table = _table_grad(grad_rows, x, slots)
-        return grad_x, grad_table, None
+        return grad_x, grad_table, None, None, None
 
 
-def _slot_linear(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _slot_linear(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, sorted_slots) -> torch.Tensor:
+    """``sorted_slots``: (order, offs) of the slots sorted by expert, made once for both projections' backward."""
     if takes_grad(x, table):
-        return _SlotLinear.apply(x, table, ids)
+        return _SlotLinear.apply(x, table, ids, *sorted_slots)
     return _slot_products(x, table, ids)
 
 
-def _first_projection(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slots: Slots) -> torch.Tensor:
+def _first_projection(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slots: Slots,
+                      sorted_slots) -> torch.Tensor:
     """table[ids[s]] @ x[s // k] for every slot s. At inference on one chunk: each token's k gathered matrices as
     one [k*N, K] matrix times the token's row (no copy of x per slot); else through a row per slot, whose gradient
     sums a token's k slots in float32 (a sum over k, no scatter)."""
     T, k, (N, K) = slots.T, slots.k, table.shape[1:]
     if not takes_grad(x, table) and _chunks(slots.count, table) is None:
         return torch.bmm(table[ids].reshape(T, k * N, K), x.unsqueeze(2)).view(T * k, N)
-    return _slot_linear(x.unsqueeze(1).expand(T, k, K).reshape(T * k, K), table, ids)
+    return _slot_linear(x.unsqueeze(1).expand(T, k, K).reshape(T * k, K), table, ids, sorted_slots)
 
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
@@ -113,7 +119,13 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     E, H, I = down_proj.shape
     slots = Slots(top_k_index, E)
     ids = slots.safe_ids
+    sorted_slots = (None, None)
+    if takes_grad(gate_up_proj, down_proj) or (hidden_states.device.type in SORTED_INPUT_GRAD
+                                               and takes_grad(hidden_states, gate_up_proj, gate_up_bias)):
+        order, sorted_ids = _SortedSlots.sort(ids)  # one sort for both projections' backward
+        sorted_slots = (order, expert_ends(sorted_ids, E))
     x = hidden_states.to(gate_up_proj.dtype)
-    a = gate(activation, add_bias(_first_projection(x, gate_up_proj, ids, slots), gate_up_bias, ids), I)
-    y = add_bias(_slot_linear(a.contiguous(), down_proj, ids), down_bias, ids)
+    h = _first_projection(x, gate_up_proj, ids, slots, sorted_slots)
+    a = gate(activation, add_bias(h, gate_up_bias, ids), I)
+    y = add_bias(_slot_linear(a.contiguous(), down_proj, ids, sorted_slots), down_bias, ids)
     return combine(y, slots, top_k_weights, hidden_states.dtype)
