@@ -227,11 +227,14 @@ def _weighted_sum(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Ten
 
 
 class _Combine(torch.autograd.Function):
-    """_weighted_sum of y [T, k, H], rounded to ``out_dtype``. Backward: each slot's row gradient w * grad (one
-    product, rounded once) and each weight's gradient, a float32 dot product over H; nothing [T*k, H] in float32."""
+    """_weighted_sum of y [T, k, H], rounded to ``out_dtype``, the weights of empty slots taken as zero (masked here,
+    so autograd adds no mask of its own to their gradient). Backward: each slot's row gradient w * grad (one product,
+    rounded once) and each weight's gradient, a float32 dot product over H (zero for empty slots); nothing
+    [T*k, H] in float32."""
 
     @staticmethod
     def forward(ctx, y, weights, empty, out_dtype):
+        weights = weights if empty is None else weights.masked_fill(empty, 0)
         ctx.save_for_backward(y, weights, empty)
         return _weighted_sum(y, None, weights, empty).to(out_dtype)
 
@@ -257,11 +260,11 @@ def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtyp
     ``empty_rows_zero``: the caller made the empty slots' rows zeros, so only their weights are masked (the same
     bits; at inference k masking kernels fewer)."""
     T, k = slots.T, slots.k
-    weights = slots.mask(top_k_weights.reshape(-1)).view(T, k)
     empty = None if slots.empty is None else slots.empty.view(T, k)
-    if takes_grad(y, weights):
+    if takes_grad(y, top_k_weights):
         y = y if rows is None else y.index_select(0, rows)
-        return _Combine.apply(y.view(T, k, y.shape[-1]), weights, empty, out_dtype)
+        return _Combine.apply(y.view(T, k, y.shape[-1]), top_k_weights.reshape(T, k), empty, out_dtype)
+    weights = slots.mask(top_k_weights.reshape(-1)).view(T, k)
     if empty_rows_zero:
         empty = None
     if y.shape[-1] * slots.count <= VECTORIZED_COMBINE_MAX.get(y.device.type, VECTORIZED_COMBINE_MAX["cpu"]):
