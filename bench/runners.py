@@ -262,6 +262,10 @@ class TorchRunner(Runner):
         forward = self._forward(backend)
         if variant is not None:
             torch._dynamo.reset()
+            # the weights as a model's parameters are: static addresses (the CUDA-graph modes copy every other
+            # input into the graph's own buffers at each replay: 1.2 GB of qwen3-30b-a3b weights per call)
+            for weight in (self.weights.gate_up, self.weights.down, *self._leaves[0][2:]):
+                torch._dynamo.mark_static_address(weight)
             forward = torch.compile(forward, fullgraph=True, mode=variant, dynamic=False)
         return {"fwd": self._forward_call, "fwd+bwd": self._backward_call}[mode](forward)
 

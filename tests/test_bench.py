@@ -441,3 +441,26 @@ def test_torch_cuda_clock_gives_event_time_and_host_time(monkeypatch):
     runner = runners.TorchRunner(torch.device("cuda"))
     ms, wall, result = runner.clock(lambda i: time.sleep(0.002) or i, 7)
     assert result == 7 and 2 <= ms < wall
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_compiled_series_take_the_weights_as_static_addresses(mode, monkeypatch):
+    """Compiled torch series mark the weights (and their gradient leaves) as static addresses, as a model's
+    parameters are: the CUDA-graph modes would otherwise copy them into the graph's buffers at every replay."""
+    import torch
+    from bench.inputs import make_sets, make_weights
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    runner = runners.TorchRunner(torch.device("cpu"))
+    config = CONFIGS["tiny"]
+    weights = make_weights(config, torch.bfloat16, torch.device("cpu"), seed=0)
+    sets = make_sets(config, 4, torch.bfloat16, torch.device("cpu"), seed=0, count=2)
+    runner.load(weights, sets)
+    uncompiled = runner.build("grouped_mm", mode, None)
+    assert not hasattr(weights.gate_up, "_dynamo_static_input_type") and not compiled
+    call = runner.build("grouped_mm", mode, "reduce-overhead")
+    assert compiled == [{"fullgraph": True, "mode": "reduce-overhead", "dynamic": False}]
+    for weight in (weights.gate_up, weights.down, *runner._leaves[0][2:]):
+        assert getattr(weight, "_dynamo_static_input_type", None) == "unguarded"
+    torch.testing.assert_close(call(1), uncompiled(1))
