@@ -8,8 +8,8 @@ must raise ValueError), and random problems (T = 1,
 64, 300, 2048; -1 slots, out-of-range ids, idle experts, biases) against the float64 reference within the spec's
 tolerance; torch and JAX bit-identical; two torch runs bit-identical; idle experts' weight gradients exactly zero;
 our output next to SonicMoE's own layer function (``moe_general_routing_inputs``) on the same routing.
-Compile: torch.compile(fullgraph=True) in the spec's modes for inference and training (reduce-overhead and a
-torch.cuda.graph capture probed and reported, not claimed). Writes ``DIR/sonicmoe.json`` and prints a summary.
+Compile: torch.compile(fullgraph=True) in the spec's modes for inference and training (reduce-overhead among them;
+a mode the spec leaves out is probed and reported, not claimed; a torch.cuda.graph capture is probed too). Writes ``DIR/sonicmoe.json`` and prints a summary.
 quack autotunes each GEMM at the first call of a shape (minutes for each new shape): with ``--quack-configs first``
 (the default) every quack GEMM runs its first config valid on the device instead, which checks the same kernels'
 numbers in a fraction of the time; ``--quack-configs tuned`` keeps quack's autotuning.
