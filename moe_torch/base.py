@@ -208,6 +208,19 @@ class TokenRows(RowGather):
 VECTORIZED_COMBINE_MAX = {"cpu": 2**17, "cuda": 2**24}
 
 
+def _vectorized(elements: int, device: torch.device) -> bool:
+    return elements <= VECTORIZED_COMBINE_MAX.get(device.type, VECTORIZED_COMBINE_MAX["cpu"])
+
+
+def _sum_over_k(y: torch.Tensor, weights: torch.Tensor, empty: torch.Tensor | None) -> torch.Tensor:
+    """sum_j weights[:, j] * y[:, j] in float32 for y [T, k, H], empty slots' rows taken as zero: one product and
+    one sum up to VECTORIZED_COMBINE_MAX elements (two kernels), else k multiply-adds (_weighted_sum)."""
+    if not _vectorized(y.numel(), y.device):
+        return _weighted_sum(y, None, weights, empty)
+    y = y if empty is None else y.masked_fill(empty.unsqueeze(2), 0)
+    return (y * weights.float().unsqueeze(2)).sum(1)  # times float32 weights: float32 products
+
+
 def _weighted_sum(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor,
                   empty: torch.Tensor | None) -> torch.Tensor:
     """sum_j weights[:, j] * (slot j's row of y) in float32, j = 0..k-1 in order: y is [T, k, H] in slot order, or
@@ -227,7 +240,7 @@ def _weighted_sum(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Ten
 
 
 class _Combine(torch.autograd.Function):
-    """_weighted_sum of y [T, k, H], rounded to ``out_dtype``, the weights of empty slots taken as zero (masked here,
+    """_sum_over_k of y [T, k, H], rounded to ``out_dtype``, the weights of empty slots taken as zero (masked here,
     so autograd adds no mask of its own to their gradient). Backward: each slot's row gradient w * grad (one product,
     rounded once) and each weight's gradient, a float32 dot product over H (zero for empty slots); nothing
     [T*k, H] in float32."""
@@ -236,7 +249,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, weights, empty, out_dtype):
         weights = weights if empty is None else weights.masked_fill(empty, 0)
         ctx.save_for_backward(y, weights, empty)
-        return _weighted_sum(y, None, weights, empty).to(out_dtype)
+        return _sum_over_k(y, weights, empty).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -267,13 +280,10 @@ def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtyp
     weights = slots.mask(top_k_weights.reshape(-1)).view(T, k)
     if empty_rows_zero:
         empty = None
-    if y.shape[-1] * slots.count <= VECTORIZED_COMBINE_MAX.get(y.device.type, VECTORIZED_COMBINE_MAX["cpu"]):
-        y = y if rows is None else y.index_select(0, rows)
-        y = y if empty is None else y.masked_fill(empty.view(-1, 1), 0)  # times float32 weights: float32 products
-        return (y.view(T, k, y.shape[-1]) * weights.float().unsqueeze(2)).sum(1).to(out_dtype)
-    if rows is None:
-        return _weighted_sum(y.view(T, k, y.shape[-1]), None, weights, empty).to(out_dtype)
-    return _weighted_sum(y, rows.view(T, k), weights, empty).to(out_dtype)
+    if rows is not None and not _vectorized(y.shape[-1] * slots.count, y.device):
+        return _weighted_sum(y, rows.view(T, k), weights, empty).to(out_dtype)
+    y = y if rows is None else y.index_select(0, rows)
+    return _sum_over_k(y.view(T, k, y.shape[-1]), weights, empty).to(out_dtype)
 
 
 class _GatherRows(torch.autograd.Function):

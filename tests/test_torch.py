@@ -652,3 +652,26 @@ def test_decode_forward_op_budget(backend, budget, monkeypatch):
         between = ops[ops.index("aten::clamp") + 1: ops.index("aten::index")]
         assert set(between) <= {"aten::to", "aten::select", "aten::view"}, between  # no kernels: views, a no-op cast
         assert ops.index("aten::ne") > ops.index("aten::bmm"), ops
+
+
+@pytest.mark.parametrize("vectorized", [True, False], ids=["one-sum", "k-steps"])
+def test_combine_gives_the_same_bits_with_and_without_autograd(vectorized, monkeypatch):
+    """The combine's forward under autograd is the inference one (one product and one sum, or k multiply-adds past
+    VECTORIZED_COMBINE_MAX), empty slots zero whatever their rows and weights hold."""
+    from moe_torch import base
+
+    if not vectorized:
+        monkeypatch.setitem(base.VECTORIZED_COMBINE_MAX, "cpu", 0)
+    monkeypatch.setattr(base.Slots, "_all_valid", lambda self: False)
+    T, k, H, E = 9, 8, 32, 6
+    ids = torch.randint(0, E, (T, k))
+    ids[::3, 2] = -1
+    slots = base.Slots(ids, E)
+    y = torch.randn(T * k, H).bfloat16()
+    y[slots.empty] = float("nan")
+    w = torch.rand(T, k)
+    w[ids < 0] = float("inf")
+    plain = base.combine(y, slots, w, torch.float32)  # float32 out: every bit of the sums shows
+    trained = base.combine(y.clone().requires_grad_(), slots, w.clone().requires_grad_(), torch.float32)
+    assert torch.isfinite(plain.float()).all()
+    np.testing.assert_array_equal(trained.detach().float().numpy(), plain.float().numpy())
