@@ -50,10 +50,10 @@ class _SortedSlots:
         self.order, self.offs, self.num_experts = order, offs, num_experts
 
     @staticmethod
-    def sort(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(order, sorted ids) of the slots' expert ids."""
+    def sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, offs): each sorted row's slot and each expert's end row."""
         sorted_ids, order, _ = sort_keys(ids, inverse=False)
-        return order, sorted_ids
+        return order, expert_ends(sorted_ids, num_experts)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, self.order)
@@ -119,11 +119,10 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     E, H, I = down_proj.shape
     slots = Slots(top_k_index, E)
     ids = slots.safe_ids
-    sorted_slots = (None, None)
+    sorted_slots = (None, None)  # one sort for both projections' backward, where one needs it
     if takes_grad(gate_up_proj, down_proj) or (hidden_states.device.type in SORTED_INPUT_GRAD
                                                and takes_grad(hidden_states, gate_up_proj, gate_up_bias)):
-        order, sorted_ids = _SortedSlots.sort(ids)  # one sort for both projections' backward
-        sorted_slots = (order, expert_ends(sorted_ids, E))
+        sorted_slots = _SortedSlots.sort(ids, E)
     x = hidden_states.to(gate_up_proj.dtype)
     h = _first_projection(x, gate_up_proj, ids, slots, sorted_slots)
     a = gate(activation, add_bias(h, gate_up_bias, ids), I)
