@@ -142,6 +142,14 @@ class Runner(ABC):
         """Peak memory of one call (arguments included) since ``start_memory``; None where not measured."""
         return None
 
+    def memory_detail(self) -> dict[str, float]:
+        """What the device holds now and what the last built call needs, in GiB (an out-of-memory skip records
+        it); empty where nothing is known."""
+        if self.device.type != "cuda":
+            return {}
+        return {"torch_allocated_gib": round(torch.cuda.memory_allocated(self.device) / GIB, 2),
+                "torch_reserved_gib": round(torch.cuda.memory_reserved(self.device) / GIB, 2)}
+
     def measure(self, backend: str, mode: str, variant: Variant, n_sets: int, timing: Timing) -> Measurement:
         """Build, warm up, time. ``run_s`` leaves out what is paid once: the build (JAX compiles there) and,
         when compiled, the first call (torch.compile compiles there)."""
@@ -345,6 +353,7 @@ class JaxRunner(Runner):
         super().__init__(device)
         self._unavailable: str | None = None
         self._memory: float | None = None
+        self._analysis: dict[str, float] = {}
         self._peer_weights = None
         try:
             import jax
@@ -434,7 +443,7 @@ class JaxRunner(Runner):
             return (x, index, w, gate_up, down) + ((g,) if mode == "fwd+bwd" else ())
 
         fn = {"fwd": forward, "fwd+bwd": forward_backward}[mode]
-        self._memory = None
+        self._memory, self._analysis = None, {}
         if variant is None:
             return lambda i: fn(*args(i))
         executable = self.jax.jit(fn).lower(*args(0)).compile()
@@ -442,6 +451,8 @@ class JaxRunner(Runner):
         if analysis is not None:
             self._memory = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
                             + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes) / GIB
+            self._analysis = {f"xla_{name}_gib": round(getattr(analysis, f"{name}_size_in_bytes") / GIB, 4)
+                              for name in ("argument", "output", "temp", "alias")}
         return lambda i: executable(*args(i))
 
     def finish(self, result):
@@ -459,6 +470,12 @@ class JaxRunner(Runner):
 
     def peak_memory_gib(self):
         return self._memory
+
+    def memory_detail(self):
+        stats = self.jax_device.memory_stats() or {}
+        held = {f"jax_{name}_gib": round(stats[name] / GIB, 2)
+                for name in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if name in stats}
+        return super().memory_detail() | self._analysis | held
 
 
 RUNNERS: dict[str, type[Runner]] = {r.framework: r for r in (TorchRunner, JaxRunner)}

@@ -231,7 +231,8 @@ def _run_point(p: Point, runner: Runner, opts: Options, peaks: roofline.Peaks, h
         if runner.is_out_of_memory(err):
             lines = str(err).splitlines() or [type(err).__name__]
             detail = next((line for line in lines if "memory" in line.lower()), lines[0]).strip()
-            results.skipped.append(where | {"reason": f"out of memory: {detail[:200]}"})
+            results.skipped.append(where | {"reason": f"out of memory: {detail[:200]}",
+                                            "memory": runner.memory_detail()})
             return None
         _fail([p], err, "measuring", results, bar)
         return None

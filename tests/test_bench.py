@@ -464,3 +464,20 @@ def test_compiled_series_take_the_weights_as_static_addresses(mode, monkeypatch)
     for weight in (weights.gate_up, weights.down, *runner._leaves[0][2:]):
         assert getattr(weight, "_dynamo_static_input_type", None) == "unguarded"
     torch.testing.assert_close(call(1), uncompiled(1))
+
+
+def test_jax_runner_reports_what_a_jitted_call_needs():
+    """The memory an out-of-memory skip records for JAX: XLA's analysis of the last jitted call (arguments,
+    outputs, temporaries), next to what the device reports holding."""
+    import torch
+    from bench.inputs import make_sets, make_weights
+
+    runner = runners.JaxRunner(torch.device("cpu"))
+    config = CONFIGS["tiny"]
+    runner.load(make_weights(config, torch.bfloat16, torch.device("cpu"), seed=0),
+                make_sets(config, 4, torch.bfloat16, torch.device("cpu"), seed=0, count=1))
+    assert runner.memory_detail() == {} or "xla_argument_gib" not in runner.memory_detail()
+    runner.build("grouped_mm", "fwd+bwd", runners.JIT)
+    detail = runner.memory_detail()
+    assert {"xla_argument_gib", "xla_output_gib", "xla_temp_gib", "xla_alias_gib"} <= set(detail)
+    assert detail["xla_argument_gib"] > 0 and detail["xla_output_gib"] > 0
