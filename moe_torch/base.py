@@ -268,8 +268,9 @@ class _Combine(torch.autograd.Function):
 
 def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtype: torch.dtype,
             rows: torch.Tensor | None = None, empty_rows_zero: bool = False) -> torch.Tensor:
-    """sum_j w[t, j] * y[t*k + j] in float32, in order over j (deterministic: no scatter); empty slots exactly zero,
-    whatever their rows of ``y`` hold. ``rows`` [T*k]: the row of ``y`` of each slot, if y is not in slot order.
+    """sum_j w[t, j] * y[t*k + j] in float32 in a fixed order (deterministic: no scatter; the same bits with and
+    without autograd); empty slots exactly zero, whatever their rows of ``y`` and their weights hold. ``rows``
+    [T*k]: the row of ``y`` of each slot, if y is not in slot order.
     ``empty_rows_zero``: the caller made the empty slots' rows zeros, so only their weights are masked (the same
     bits; at inference k masking kernels fewer)."""
     T, k = slots.T, slots.k
