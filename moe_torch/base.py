@@ -208,34 +208,18 @@ class TokenRows(RowGather):
 VECTORIZED_COMBINE_MAX = {"cpu": 2**17, "cuda": 2**24}
 
 
-def _vectorized(elements: int, device: torch.device) -> bool:
-    return elements <= VECTORIZED_COMBINE_MAX.get(device.type, VECTORIZED_COMBINE_MAX["cpu"])
-
-
 def _sum_over_k(y: torch.Tensor, weights: torch.Tensor, empty: torch.Tensor | None) -> torch.Tensor:
     """sum_j weights[:, j] * y[:, j] in float32 for y [T, k, H], empty slots' rows taken as zero: one product and
-    one sum up to VECTORIZED_COMBINE_MAX elements (two kernels), else k multiply-adds (_weighted_sum)."""
-    if not _vectorized(y.numel(), y.device):
-        return _weighted_sum(y, None, weights, empty)
-    y = y if empty is None else y.masked_fill(empty.unsqueeze(2), 0)
-    return (y * weights.float().unsqueeze(2)).sum(1)  # times float32 weights: float32 products
-
-
-def _weighted_sum(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor,
-                  empty: torch.Tensor | None) -> torch.Tensor:
-    """sum_j weights[:, j] * (slot j's row of y) in float32, j = 0..k-1 in order: y is [T, k, H] in slot order, or
-    [R, H] with ``rows`` [T, k] naming each slot's row. With ``empty``, the rows of empty slots count as zero
-    whatever they hold. k multiply-adds into one float32 [T, H]: no float32 [T*k, H] temporary (in half precision
-    each product is exact in float32, so every term is rounded once, by the sum)."""
-    if empty is not None and rows is None:
-        y = y.masked_fill(empty.unsqueeze(2), 0)  # once for every j (each masked view would be copied first)
-    out = None
-    for j in range(weights.shape[1]):
-        row = y[:, j] if rows is None else y.index_select(0, rows[:, j])
-        if empty is not None and rows is not None:
-            row = row.masked_fill_(empty[:, j, None], 0)  # a fresh gathered row
-        w = weights[:, j, None]
-        out = row * w.float() if out is None else out.addcmul_(row, w)
+    one sum up to VECTORIZED_COMBINE_MAX elements (two kernels), else k multiply-adds into one float32 [T, H] (no
+    float32 [T*k, H] temporary; in half precision each product is exact in float32, so every term is rounded once,
+    by the sum)."""
+    if empty is not None:
+        y = y.masked_fill(empty.unsqueeze(2), 0)
+    if y.numel() <= VECTORIZED_COMBINE_MAX.get(y.device.type, VECTORIZED_COMBINE_MAX["cpu"]):
+        return (y * weights.float().unsqueeze(2)).sum(1)  # times float32 weights: float32 products
+    out = y[:, 0] * weights[:, 0, None].float()
+    for j in range(1, weights.shape[1]):
+        out.addcmul_(y[:, j], weights[:, j, None])
     return out
 
 
@@ -267,24 +251,18 @@ class _Combine(torch.autograd.Function):
 
 
 def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtype: torch.dtype,
-            rows: torch.Tensor | None = None, empty_rows_zero: bool = False) -> torch.Tensor:
+            empty_rows_zero: bool = False) -> torch.Tensor:
     """sum_j w[t, j] * y[t*k + j] in float32 in a fixed order (deterministic: no scatter; the same bits with and
-    without autograd); empty slots exactly zero, whatever their rows of ``y`` and their weights hold. ``rows``
-    [T*k]: the row of ``y`` of each slot, if y is not in slot order.
+    without autograd); empty slots exactly zero, whatever their rows of ``y`` and their weights hold.
     ``empty_rows_zero``: the caller made the empty slots' rows zeros, so only their weights are masked (the same
-    bits; at inference k masking kernels fewer)."""
+    bits, a [T*k, H] mask fewer)."""
     T, k = slots.T, slots.k
     empty = None if slots.empty is None else slots.empty.view(T, k)
+    y = y.view(T, k, y.shape[-1])
     if takes_grad(y, top_k_weights):
-        y = y if rows is None else y.index_select(0, rows)
-        return _Combine.apply(y.view(T, k, y.shape[-1]), top_k_weights.reshape(T, k), empty, out_dtype)
+        return _Combine.apply(y, top_k_weights.reshape(T, k), empty, out_dtype)
     weights = slots.mask(top_k_weights.reshape(-1)).view(T, k)
-    if empty_rows_zero:
-        empty = None
-    if rows is not None and not _vectorized(y.shape[-1] * slots.count, y.device):
-        return _weighted_sum(y, rows.view(T, k), weights, empty).to(out_dtype)
-    y = y if rows is None else y.index_select(0, rows)
-    return _sum_over_k(y.view(T, k, y.shape[-1]), weights, empty).to(out_dtype)
+    return _sum_over_k(y, weights, None if empty_rows_zero else empty).to(out_dtype)
 
 
 class _GatherRows(torch.autograd.Function):
