@@ -475,7 +475,15 @@ class JaxRunner(Runner):
         stats = self.jax_device.memory_stats() or {}
         held = {f"jax_{name}_gib": round(stats[name] / GIB, 2)
                 for name in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if name in stats}
-        return super().memory_detail() | self._analysis | held
+        return super().memory_detail() | self._analysis | held | self._live_arrays()
+
+    def _live_arrays(self, largest: int = 6) -> dict:
+        """The arrays JAX holds on the device: how many, their total, and the largest (shape, dtype, GiB), to tell
+        the benchmark's own arrays from leftovers."""
+        live = [a for a in self.jax.live_arrays() if self.jax_device in a.devices()]
+        live.sort(key=lambda a: a.nbytes, reverse=True)
+        return {"jax_live_arrays": len(live), "jax_live_gib": round(sum(a.nbytes for a in live) / GIB, 2),
+                "jax_largest_live": [f"{tuple(a.shape)} {a.dtype} {a.nbytes / GIB:.2f}" for a in live[:largest]]}
 
 
 RUNNERS: dict[str, type[Runner]] = {r.framework: r for r in (TorchRunner, JaxRunner)}

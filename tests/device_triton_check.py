@@ -422,13 +422,10 @@ WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 
                        C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4),
                        # (rows per step, N, K): fewer rows per step make an expert's few hundred rows a loop long
                        # enough to pipeline, and larger output tiles read each row fewer times
-                       C(32, 128, 128, 8, 4), C(32, 128, 256, 8, 3), C(32, 256, 128, 8, 3), C(16, 128, 128, 4, 4),
-                       # persistent programs (one or two per SM of the H200's 132): the next tile's loads in
-                       # flight while a tile is stored
-                       C(64, 128, 128, 8, 3, PROGRAMS=132), C(64, 128, 128, 8, 3, PROGRAMS=264),
-                       C(32, 128, 128, 8, 4, PROGRAMS=132), C(32, 128, 128, 8, 4, PROGRAMS=264),
-                       C(64, 128, 64, 4, 3, PROGRAMS=264), C(64, 128, 64, 4, 4, PROGRAMS=396),
-                       C(64, 256, 64, 8, 3, PROGRAMS=132), C(128, 128, 64, 8, 3, PROGRAMS=132)]
+                       C(32, 128, 128, 8, 4), C(32, 128, 256, 8, 3), C(32, 256, 128, 8, 3), C(16, 128, 128, 4, 4)]
+# Persistent weight-gradient programs (132, 264 or 396 programs, one flat loop over their tiles' row steps) were
+# slower than one program per tile for every step and shape (tests/device_results/nvidia-h200-triton-steps-wgrad-
+# persistent.json), so the kernel has no such mode.
 VARIANT_TOKENS = 4096
 VARIANTS = {"grouped_gemm_kernel": ("gemm", STEP_VARIANTS), "grouped_wgrad_kernel": ("wgrad", WGRAD_STEP_VARIANTS)}
 
@@ -489,8 +486,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
                 return {"shape": shape, "T": T, "plan": which, "step": label, "ms": round(ms, 4),
                         "tflops": round(flops / ms / 1e9, 1) if flops else None,
                         "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
-                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC"), c.get("WARP_SPECIALIZE"),
-                                   c.get("PROGRAMS")]}
+                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC"), c.get("WARP_SPECIALIZE")]}
 
             plan, labelled = _labelled_steps(problem, which)
             record(results, "steps", f"{shape} T={T} {which}",
@@ -525,7 +521,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
 STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("down", H, I),
              "dgrad_down": lambda H, I: ("dgrad_down", I, H), "dgrad_up": lambda H, I: ("dgrad_up", H, 2 * I),
              "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H)}
-CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "PROGRAMS")
+CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE")
 
 
 def merge_step_variants(result_files, table_path: Path) -> list[dict]:

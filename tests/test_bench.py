@@ -468,7 +468,7 @@ def test_compiled_series_take_the_weights_as_static_addresses(mode, monkeypatch)
 
 def test_jax_runner_reports_what_a_jitted_call_needs():
     """The memory an out-of-memory skip records for JAX: XLA's analysis of the last jitted call (arguments,
-    outputs, temporaries), next to what the device reports holding."""
+    outputs, temporaries), next to what the device reports holding and the arrays JAX holds."""
     import torch
     from bench.inputs import make_sets, make_weights
 
@@ -481,3 +481,5 @@ def test_jax_runner_reports_what_a_jitted_call_needs():
     detail = runner.memory_detail()
     assert {"xla_argument_gib", "xla_output_gib", "xla_temp_gib", "xla_alias_gib"} <= set(detail)
     assert detail["xla_argument_gib"] > 0 and detail["xla_output_gib"] > 0
+    gate_up = f"{tuple(runner.gate_up.shape)} {runner.gate_up.dtype}"
+    assert detail["jax_live_arrays"] >= 6 and any(a.startswith(gate_up) for a in detail["jax_largest_live"])

@@ -199,33 +199,20 @@ def test_grouped_row_block_order_gives_the_same_bits(group_m):
         np.testing.assert_array_equal(grouped[name], plain[name], err_msg=name)
 
 
-@pytest.mark.parametrize("programs", [1, 4, 64])
-def test_persistent_weight_gradients_give_the_same_bits(programs):
-    """PROGRAMS > 0 runs the weight gradients in persistent programs, one flat loop over their tiles' row steps:
-    each tile sums the same row steps in the same order, so the same bits, whether there are fewer programs than
-    tiles (1, 4) or more (64); an idle expert's tiles are zeros and the bias gradients are written once."""
-    arrays, grad_output = random_case(11, T=24, H=32, I=16, E=5, k=2, bias=True, empty_fraction=0.1)
-    arrays["top_k_index"][arrays["top_k_index"] == 4] = 3  # expert 4 idle
-    plain = torch_run(arrays, "bfloat16", grad_output)
-    try:
-        for N, K in ((32, 16), (32, 32)):  # (H, I) of the down projection, (2I, H) of gate/up
-            plans.OVERRIDES["wgrad", N, K, 5] = plans.TileConfig(BM=16, BN=16, BK=16, PROGRAMS=programs)
-        plans.clear_caches()
-        persistent = torch_run(arrays, "bfloat16", grad_output)
-        jax_persistent = jax_run(arrays, "bfloat16", grad_output)
-        ts = to_torch(arrays, "bfloat16")
-        problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
-                                                  ts["down_proj"], ts["gate_up_bias"], ts["down_bias"], "silu")
-        steps = [s for s in plans.backward_plan(problem).steps if s.kernel == "grouped_wgrad_kernel"]
-    finally:
-        plans.OVERRIDES.clear()
-        plans.clear_caches()
-    assert [(s.grid, s.constants["PROGRAMS"]) for s in steps] == [(min(programs, 5 * 2), programs),
-                                                                 (min(programs, 5 * 4), programs)]
-    assert not persistent["grad_gate_up_proj"][4].any() and not persistent["grad_down_bias"][4].any()
-    for name in plain:
-        np.testing.assert_array_equal(persistent[name], plain[name], err_msg=name)
-        np.testing.assert_array_equal(jax_persistent[name], plain[name], err_msg=name)
+def test_backward_gemms_read_sorted_rows():
+    """The backward gathers w * dout and x into sorted order once (gather_rows_kernel), so its GEMMs load plain
+    row tiles: no gather or scale inside their loops."""
+    arrays, _ = random_case(3, T=16, H=32, I=16, E=4, k=2, bias=False)
+    ts = to_torch(arrays, "bfloat16")
+    problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
+                                              ts["down_proj"], None, None, "silu")
+    steps = plans.backward_plan(problem).steps
+    gathers = {s.outputs[0].name: s.constants["SCALE"] for s in steps if s.kernel == "gather_rows_kernel"}
+    assert gathers == {"dout_sorted": True, "x_sorted": False}
+    gemms = [s for s in steps if s.kernel == "grouped_gemm_kernel"]
+    assert not any(s.constants["A_BY_TOKEN"] or s.constants["SCALE_A"] for s in gemms)
+    wgrads = [s for s in steps if s.kernel == "grouped_wgrad_kernel"]
+    assert [s.inputs[:2] for s in wgrads] == [("dout_sorted", "act"), ("dpreact", "x_sorted")]
 
 
 def test_strided_weights_are_read_in_place():
@@ -550,9 +537,7 @@ def test_merging_step_variants_keeps_the_fastest_per_step(tmp_path):
             step | {"ms": 0.27, "config": [128, 256, 64, 8, 3, 8, 1, True]},
             {"config": [128, 256, 64, 8, 4, 8, 1, False], "error": "out of resource"}]},
         {"kind": "step-variants", "detail": [
-            step | {"step": "wgrad_gate_up", "ms": 0.7, "config": [64, 128, 128, 8, 3, None, None, None]},
-            step | {"step": "wgrad_down", "ms": 0.5, "config": [32, 128, 128, 8, 4, None, None, None, 0]},
-            step | {"step": "wgrad_down", "ms": 0.4, "config": [64, 128, 128, 8, 3, None, None, None, 264]}]}]}))
+            step | {"step": "wgrad_gate_up", "ms": 0.7, "config": [64, 128, 128, 8, 3, None, None, None]}]}]}))
     check.merge_step_variants([results], table)
     configs = {(c["kernel"], c["N"], c["K"], c["slots"]): c for c in json.loads(table.read_text())["configs"]}
     assert configs["gate_up", I, H, 512] == kept
@@ -562,5 +547,3 @@ def test_merging_step_variants_keeps_the_fastest_per_step(tmp_path):
                                                                   GROUP_M=8, TMA=True, WARP_SPECIALIZE=True)
     assert configs["wgrad", 2 * I, H, 4096 * k]["config"] == {"BM": 64, "BN": 128, "BK": 128, "num_warps": 8,
                                                               "num_stages": 3}
-    assert configs["wgrad", H, I, 4096 * k]["config"] == {"BM": 64, "BN": 128, "BK": 128, "num_warps": 8,
-                                                          "num_stages": 3, "PROGRAMS": 264}

@@ -129,7 +129,7 @@ def grouped_gemm_kernel(
     stride_bias_e: tl.constexpr, stride_cm: tl.constexpr, GATE_OFFSET: tl.constexpr,
     A_BY_TOKEN: tl.constexpr, SCALE_A: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
-    STORE_A: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_ROWS: tl.constexpr = 0, B_COLS: tl.constexpr = 0,
     WARP_SPECIALIZE: tl.constexpr = False,
@@ -140,8 +140,7 @@ def grouped_gemm_kernel(
     multiplies them by the slot's routing weight (``scale``) in float32. Epilogues: PLAIN stores C (+ bias);
     GATED_FORWARD computes the gate columns n and the up columns GATE_OFFSET + n, adds the bias, stores
     act(g) * u (and g, u to ``aux`` with STORE_PREACT); GATED_BACKWARD takes C as d(act(g) * u) and stores
-    [dg, du] from the saved pre-activations. ``STORE_A`` also writes the A rows as multiplied (gathered and scaled,
-    in the weights' dtype) to ``aux`` in sorted order, K columns, once (by the first N tile's programs). C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
+    [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
     atomically added to the token's row scaled by the routing weight. ``EVEN_K`` (K a multiple of BK) drops the
     K masks. Grid: one program per (row block, N tile) over ``ROW_BLOCKS``, a static upper bound of row blocks
     (blocks past the last expert's return at once), ``GROUP_M`` row blocks at a time over every N tile so that
@@ -201,9 +200,6 @@ def grouped_gemm_kernel(
         if SCALE_A:
             a = a.to(tl.float32) * scale[:, None]
         a = a.to(b_ptr.dtype.element_ty)
-        if STORE_A:
-            if n_tile == 0:
-                tl.store(aux_ptr + srow.to(tl.int64)[:, None] * K + k0 + offs_k[None, :], a, mask=a_mask)
         if B_DESC == B_K_ROWS:
             b = b_desc.load([b_row, k0]).T
         elif B_DESC == B_N_ROWS:
@@ -298,81 +294,53 @@ def _store_wgrad_tile(dw_ptr, dbias_ptr, e, n0, k0, acc, bias_acc, N: tl.constex
 
 
 @triton.jit
-def _congruent_below(x, p, P: tl.constexpr):
-    """How many t in [0, x) have t % P == p."""
-    return tl.where(x > p, (x - p + P - 1) // P, 0)
-
-
-@triton.jit
 def grouped_wgrad_kernel(
     l_ptr, r_ptr, counts_ptr, starts_ptr, order_ptr,
     dw_ptr, dbias_ptr,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
     stride_lm: tl.constexpr, stride_rm: tl.constexpr, R_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PROGRAMS: tl.constexpr = 0, EB: tl.constexpr = 1,
 ):
     """dw[e] ([N, K]) = sum over expert e's sorted rows of L[row]^T R[row], and dbias[e] = the sum of L's rows.
 
-    R rows: sorted or (``R_BY_TOKEN``) the token's row. Output tiles are numbered expert by expert; an idle
-    expert's tiles are written as zeros. ``PROGRAMS`` 0: a program per tile, looping over the expert's rows (a
-    ``for`` loop with run-time bounds, so the loads are pipelined). ``PROGRAMS`` > 0: that many persistent
-    programs, program p taking tiles p, p + PROGRAMS, ... in one flat loop over all their row steps, so the loads
-    of the next tile are in flight while a tile is stored (an expert's few hundred rows are a short loop alone);
-    ``EB`` is then a power of two above E."""
-    dtype: tl.constexpr = dw_ptr.dtype.element_ty
+    R rows: sorted or (``R_BY_TOKEN``) the token's row. One program per output tile, numbered expert by expert; an
+    idle expert's tiles are written as zeros. The loop over the expert's rows has run-time bounds (a ``for`` loop,
+    so the loads are pipelined)."""
+    e, n0, k0 = _tile_of(tl.program_id(0), N, K, BN, BK)
+    offs_n = n0 + tl.arange(0, BN)
+    offs_k = k0 + tl.arange(0, BK)
+    n_live = offs_n < N
+    k_live = offs_k < K
+    count = tl.load(counts_ptr + e)
+    start = tl.load(starts_ptr + e)
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    bias_acc = tl.zeros([BN], dtype=tl.float32)
+    for r0 in range(0, count, BR):
+        lt, r = _wgrad_rows(l_ptr, r_ptr, order_ptr, start, count, r0, offs_n, offs_k, n_live, k_live,
+                            dw_ptr.dtype.element_ty, TOP_K, stride_lm, stride_rm, R_BY_TOKEN, BR)
+        acc = tl.dot(lt, r, acc, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            bias_acc += tl.sum(lt.to(tl.float32), 1)
+    _store_wgrad_tile(dw_ptr, dbias_ptr, e, n0, k0, acc, bias_acc, N, K, BN, BK, HAS_BIAS)
+
+
+@triton.jit
+def gather_rows_kernel(src_ptr, order_ptr, scale_ptr, starts_ptr, out_ptr,
+                       E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr,
+                       BR: tl.constexpr, BH: tl.constexpr):
+    """out[r] = src[token of sorted row r] (times the slot's routing weight in float32 with ``SCALE``), in out's
+    dtype, for the routed rows (r < starts[E]); the rest are left as they are. One program per [BR, BH] tile."""
     pid = tl.program_id(0)
-    if PROGRAMS == 0:
-        e, n0, k0 = _tile_of(pid, N, K, BN, BK)
-        offs_n = n0 + tl.arange(0, BN)
-        offs_k = k0 + tl.arange(0, BK)
-        n_live = offs_n < N
-        k_live = offs_k < K
-        count = tl.load(counts_ptr + e)
-        start = tl.load(starts_ptr + e)
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        bias_acc = tl.zeros([BN], dtype=tl.float32)
-        for r0 in range(0, count, BR):
-            lt, r = _wgrad_rows(l_ptr, r_ptr, order_ptr, start, count, r0, offs_n, offs_k, n_live, k_live, dtype,
-                                TOP_K, stride_lm, stride_rm, R_BY_TOKEN, BR)
-            acc = tl.dot(lt, r, acc, input_precision=DOT_PRECISION)
-            if HAS_BIAS:
-                bias_acc += tl.sum(lt.to(tl.float32), 1)
-        _store_wgrad_tile(dw_ptr, dbias_ptr, e, n0, k0, acc, bias_acc, N, K, BN, BK, HAS_BIAS)
-    else:
-        per_expert: tl.constexpr = ((N + BN - 1) // BN) * ((K + BK - 1) // BK)
-        bins = tl.arange(0, EB)
-        counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-        first = bins * per_expert
-        mine = _congruent_below(first + per_expert, pid, PROGRAMS) - _congruent_below(first, pid, PROGRAMS)
-        steps = tl.sum(tl.where(bins < E, tl.maximum((counts + BR - 1) // BR, 1) * mine, 0), 0)
-        tile = pid
-        e = tl.minimum(tile // per_expert, E - 1)
-        count = tl.load(counts_ptr + e)
-        start = tl.load(starts_ptr + e)
-        r0 = 0
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        bias_acc = tl.zeros([BN], dtype=tl.float32)
-        for _ in range(0, steps):
-            e, n0, k0 = _tile_of(tile, N, K, BN, BK)
-            offs_n = n0 + tl.arange(0, BN)
-            offs_k = k0 + tl.arange(0, BK)
-            lt, r = _wgrad_rows(l_ptr, r_ptr, order_ptr, start, count, r0, offs_n, offs_k, offs_n < N,
-                                offs_k < K, dtype, TOP_K, stride_lm, stride_rm, R_BY_TOKEN, BR)
-            acc = tl.dot(lt, r, acc, input_precision=DOT_PRECISION)
-            if HAS_BIAS:
-                bias_acc += tl.sum(lt.to(tl.float32), 1)
-            if r0 + BR >= count:
-                _store_wgrad_tile(dw_ptr, dbias_ptr, e, n0, k0, acc, bias_acc, N, K, BN, BK, HAS_BIAS)
-                acc = tl.zeros([BN, BK], dtype=tl.float32)
-                bias_acc = tl.zeros([BN], dtype=tl.float32)
-                tile += PROGRAMS
-                e = tl.minimum(tile // per_expert, E - 1)
-                count = tl.load(counts_ptr + e)
-                start = tl.load(starts_ptr + e)
-                r0 = 0
-            else:
-                r0 += BR
+    num_h: tl.constexpr = (H + BH - 1) // BH
+    rows = (pid // num_h) * BR + tl.arange(0, BR)
+    cols = (pid % num_h) * BH + tl.arange(0, BH)
+    live = rows < tl.load(starts_ptr + E)
+    mask = live[:, None] & (cols < H)[None, :]
+    slot = tl.load(order_ptr + rows, mask=live, other=0)
+    v = tl.load(src_ptr + (slot // TOP_K).to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
+    if SCALE:
+        v = v.to(tl.float32) * tl.load(scale_ptr + slot, mask=live, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --- per-token combine and its routing-weight gradient -----------------------------------------------------------

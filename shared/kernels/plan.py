@@ -92,7 +92,6 @@ class TileConfig:
     GROUP_M: int = 1  # row blocks that take the N tiles together (row-block kernels)
     TMA: bool = False  # grouped GEMMs: the weight tiles through a tensor descriptor where the binding allows it
     WARP_SPECIALIZE: bool = False  # grouped GEMMs: loading and multiplying warps apart (triton's tl.range option)
-    PROGRAMS: int = 0  # wgrad: persistent programs, each looping over its tiles' rows in one loop; 0: one per tile
 
 
 def _pow2(n: int) -> int:
@@ -238,12 +237,9 @@ def _b_descriptor(problem: Problem, cfg: TileConfig, b_strides: tuple[int, int, 
 def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_strides: tuple[int, int, int],
           out: Buffer, stride_am: int, stride_cm: int, a_by_token=False, scale_a=False, bias=("x", 0, False),
           epilogue=PLAIN, preact_out: Buffer | None = None, preact_in="x", c_by_slot=False,
-          accumulate=False, a_out: Buffer | None = None) -> Step:
+          accumulate=False) -> Step:
     """A grouped_gemm_kernel step: out = A @ B[e] over sorted rows, B[e] a [K, N] view with strides
-    (expert, k, n). ``preact_out`` (the gated forward's pre-activations) or ``a_out`` (the A rows as multiplied,
-    sorted) is its second output."""
-    if preact_out is not None and a_out is not None:
-        raise ValueError("_gemm: preact_out and a_out share the kernel's aux output; pass one of them")
+    (expert, k, n)."""
     E = problem.E
     cfg = tile_config(problem.device, kernel, N, K, E, problem.S)
     bias_name, bias_stride, has_bias = bias
@@ -252,14 +248,13 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         stride_bn=b_strides[2], stride_bias_e=bias_stride, stride_cm=stride_cm, GATE_OFFSET=problem.I,
         A_BY_TOKEN=a_by_token, SCALE_A=scale_a, HAS_BIAS=has_bias, EPILOGUE=epilogue,
         ACTIVATION=ACTIVATION_CODES[problem.activation], STORE_PREACT=preact_out is not None,
-        STORE_A=a_out is not None,
         C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E),
         DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
         ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM), WARP_SPECIALIZE=cfg.WARP_SPECIALIZE,
         **_b_descriptor(problem, cfg, b_strides, K))
     return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
                 (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
-                (out, preact_out or a_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
+                (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
                 zeroed=(0,) if accumulate else ())
 
 
@@ -269,10 +264,8 @@ def _wgrad(problem: Problem, *, l: str, r: str, N: int, K: int, out: Buffer, bia
     cfg = tile_config(problem.device, "wgrad", N, K, E, problem.S)
     constants = dict(E=E, N=N, K=K, TOP_K=problem.k, stride_lm=stride_lm, stride_rm=stride_rm,
                      R_BY_TOKEN=r_by_token, HAS_BIAS=bias_out is not None,
-                     BN=cfg.BN, BK=cfg.BK, BR=cfg.BM, DOT_PRECISION=_dot_precision(problem),
-                     PROGRAMS=cfg.PROGRAMS, EB=_pow2(E))
-    tiles = E * _cdiv(N, cfg.BN) * _cdiv(K, cfg.BK)
-    return Step("grouped_wgrad_kernel", min(tiles, cfg.PROGRAMS) if cfg.PROGRAMS else tiles,
+                     BN=cfg.BN, BK=cfg.BK, BR=cfg.BM, DOT_PRECISION=_dot_precision(problem))
+    return Step("grouped_wgrad_kernel", E * _cdiv(N, cfg.BN) * _cdiv(K, cfg.BK),
                 (l, r, "counts", "starts", "order"), (out, bias_out or _UNUSED), constants,
                 cfg.num_warps, cfg.num_stages)
 
@@ -281,6 +274,15 @@ def _token_tile(T: int, H: int) -> tuple[int, int]:
     """(BT, BH) of the per-token kernels: up to 1024 columns, up to 4096 elements a program."""
     BH = min(1024, max(16, _pow2(H)))
     return min(max(1, 4096 // BH), max(1, _pow2(T))), BH
+
+
+def _gather(problem: Problem, src: str, out: Buffer, scaled: bool) -> Step:
+    """out [S, H]: the token rows of ``src`` in sorted slot order (scaled by the routing weights), so the GEMMs
+    that read them take plain row tiles."""
+    BR, BH = _token_tile(problem.S, problem.H)
+    return Step("gather_rows_kernel", _cdiv(problem.S, BR) * _cdiv(problem.H, BH), (src, "order", "w", "starts"),
+                (out,), dict(E=problem.E, H=problem.H, TOP_K=problem.k, SCALE=scaled, BR=BR, BH=BH), num_warps=4,
+                num_stages=1)
 
 
 def _combine(problem: Problem, y: str, out: Buffer, weighted: bool) -> Step:
@@ -360,21 +362,23 @@ def backward_plan(problem: Problem) -> Plan:
     steps = [
         Step("routing_grad_kernel", _cdiv(T, BT), ("dout", "y", "ids", T), (Buffer("dw", (S,), ROUTING),),
              dict(E=E, H=H, TOP_K=problem.k, BT=BT, BH=BH), num_warps=4, num_stages=1),
-        # d(act(g) * u) = (w * dout) @ down[e], then [dg, du] in the epilogue; the rows w * dout, sorted, kept for
-        # the down projection's weight gradient
-        _gemm(problem, "dgrad_down", a="dout", b="down", N=I, K=H, b_strides=(d_e, d_n, d_k),
-              out=Buffer("dpreact", (S, 2 * I), WEIGHTS), stride_am=H, stride_cm=2 * I, a_by_token=True,
-              scale_a=True, epilogue=GATED_BACKWARD, preact_in="preact",
-              a_out=Buffer("dout_sorted", (S, H), WEIGHTS)),
+        # the rows w * dout and x in sorted order, read by the input gradient's and both weight gradients' GEMMs
+        # as plain tiles (gathering and scaling them inside those GEMMs' loops cost up to 2x in their time)
+        _gather(problem, "dout", Buffer("dout_sorted", (S, H), WEIGHTS), scaled=True),
+        _gather(problem, "x", Buffer("x_sorted", (S, H), WEIGHTS), scaled=False),
+        # d(act(g) * u) = (w * dout) @ down[e], then [dg, du] in the epilogue
+        _gemm(problem, "dgrad_down", a="dout_sorted", b="down", N=I, K=H, b_strides=(d_e, d_n, d_k),
+              out=Buffer("dpreact", (S, 2 * I), WEIGHTS), stride_am=H, stride_cm=2 * I,
+              epilogue=GATED_BACKWARD, preact_in="preact"),
         _gemm(problem, "dgrad_up", a="dpreact", b="gate_up", N=H, K=2 * I, b_strides=(g_e, g_n, g_k),
               out=Buffer("dx_slots", (S, H), WEIGHTS), stride_am=2 * I, stride_cm=H, c_by_slot=True),
         _combine(problem, "dx_slots", Buffer("dx", (T, H), HIDDEN), weighted=False),
         _wgrad(problem, l="dout_sorted", r="act", N=H, K=I, out=Buffer("d_down", (E, H, I), WEIGHTS),
                bias_out=Buffer("d_down_bias", (E, H), WEIGHTS) if has_down_bias else None,
                stride_lm=H, stride_rm=I),
-        _wgrad(problem, l="dpreact", r="x", N=2 * I, K=H, out=Buffer("d_gate_up", (E, 2 * I, H), WEIGHTS),
+        _wgrad(problem, l="dpreact", r="x_sorted", N=2 * I, K=H, out=Buffer("d_gate_up", (E, 2 * I, H), WEIGHTS),
                bias_out=Buffer("d_gate_up_bias", (E, 2 * I), WEIGHTS) if has_gate_bias else None,
-               stride_lm=2 * I, stride_rm=H, r_by_token=True),
+               stride_lm=2 * I, stride_rm=H),
     ]
     return _finish(steps, "dx")
 
