@@ -483,3 +483,22 @@ def test_jax_runner_reports_what_a_jitted_call_needs():
     assert detail["xla_argument_gib"] > 0 and detail["xla_output_gib"] > 0
     gate_up = f"{tuple(runner.gate_up.shape)} {runner.gate_up.dtype}"
     assert detail["jax_live_arrays"] >= 6 and any(a.startswith(gate_up) for a in detail["jax_largest_live"])
+
+def test_jax_jitted_training_call_keeps_only_the_forward_output():
+    """A jitted fwd+bwd call hands back the forward output alone (its gradients, outputs of the same executable,
+    are dropped at once), so back-to-back calls do not hold a weight-sized gradient each; the executable still
+    computes them (XLA's memory analysis counts them as outputs)."""
+    import torch
+    from bench.inputs import make_sets, make_weights
+
+    runner = runners.JaxRunner(torch.device("cpu"))
+    config = CONFIGS["tiny"]
+    sets = make_sets(config, 4, torch.bfloat16, torch.device("cpu"), seed=0, count=1)
+    runner.load(make_weights(config, torch.bfloat16, torch.device("cpu"), seed=0), sets)
+    call = runner.build("grouped_mm", "fwd+bwd", runners.JIT)
+    out = call(0)
+    assert out.shape == tuple(sets[0].hidden_states.shape)
+    forward = runner.build("grouped_mm", "fwd", runners.JIT)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(0)))
+    runner.build("grouped_mm", "fwd+bwd", runners.JIT)
+    assert runner.memory_detail()["xla_output_gib"] * 2**30 > runner.gate_up.nbytes

@@ -253,75 +253,47 @@ def grouped_gemm_kernel(
 # --- weight gradients: a K-grouped GEMM over each expert's rows --------------------------------------------------
 
 @triton.jit
-def _wgrad_rows(l_ptr, r_ptr, order_ptr, start, count, r0, offs_n, offs_k, n_live, k_live, dtype: tl.constexpr,
-                TOP_K: tl.constexpr, stride_lm: tl.constexpr, stride_rm: tl.constexpr, R_BY_TOKEN: tl.constexpr,
-                BR: tl.constexpr):
-    """One row step of a weight-gradient tile: L's rows r0.. of the expert transposed ([BN, BR]) and R's ([BR, BK]),
-    rows past ``count`` zero."""
-    rows = r0 + tl.arange(0, BR)
-    live = rows < count
-    srow = start + rows
-    lt = tl.load(l_ptr + srow.to(tl.int64)[None, :] * stride_lm + offs_n[:, None],
-                 mask=n_live[:, None] & live[None, :], other=0.0).to(dtype)
-    if R_BY_TOKEN:
-        r_rows = (tl.load(order_ptr + srow, mask=live, other=0) // TOP_K).to(tl.int64)
-    else:
-        r_rows = srow.to(tl.int64)
-    r = tl.load(r_ptr + r_rows[:, None] * stride_rm + offs_k[None, :], mask=live[:, None] & k_live[None, :],
-                other=0.0).to(dtype)
-    return lt, r
-
-
-@triton.jit
-def _tile_of(tile, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Output tile ``tile`` of the weight gradients, numbered expert by expert: (expert, first n, first k)."""
-    num_n: tl.constexpr = (N + BN - 1) // BN
-    num_k: tl.constexpr = (K + BK - 1) // BK
-    return tile // (num_n * num_k), (tile // num_k) % num_n * BN, tile % num_k * BK
-
-
-@triton.jit
-def _store_wgrad_tile(dw_ptr, dbias_ptr, e, n0, k0, acc, bias_acc, N: tl.constexpr, K: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    offs_n = n0 + tl.arange(0, BN)
-    offs_k = k0 + tl.arange(0, BK)
-    n_live = offs_n < N
-    dw_ptrs = dw_ptr + e.to(tl.int64) * (N * K) + offs_n[:, None] * K + offs_k[None, :]
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_live[:, None] & (offs_k < K)[None, :])
-    if HAS_BIAS:
-        if k0 == 0:  # the expert's first K tile writes the bias gradient
-            tl.store(dbias_ptr + e * N + offs_n, bias_acc.to(dbias_ptr.dtype.element_ty), mask=n_live)
-
-
-@triton.jit
 def grouped_wgrad_kernel(
-    l_ptr, r_ptr, counts_ptr, starts_ptr, order_ptr,
+    l_ptr, r_ptr, counts_ptr, starts_ptr,
     dw_ptr, dbias_ptr,
-    E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
-    stride_lm: tl.constexpr, stride_rm: tl.constexpr, R_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    E: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    stride_lm: tl.constexpr, stride_rm: tl.constexpr, HAS_BIAS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dw[e] ([N, K]) = sum over expert e's sorted rows of L[row]^T R[row], and dbias[e] = the sum of L's rows.
 
-    R rows: sorted or (``R_BY_TOKEN``) the token's row. One program per output tile, numbered expert by expert; an
-    idle expert's tiles are written as zeros. The loop over the expert's rows has run-time bounds (a ``for`` loop,
-    so the loads are pipelined)."""
-    e, n0, k0 = _tile_of(tl.program_id(0), N, K, BN, BK)
-    offs_n = n0 + tl.arange(0, BN)
-    offs_k = k0 + tl.arange(0, BK)
-    n_live = offs_n < N
-    k_live = offs_k < K
+    Grid: E * N tiles * K tiles; an idle expert's tiles are written as zeros. The loop over the expert's rows has
+    run-time bounds (a ``for`` loop, so the loads are pipelined)."""
+    pid = tl.program_id(0)
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    num_k: tl.constexpr = (K + BK - 1) // BK
+    e = pid // (num_n * num_k)
+    n_tile = (pid // num_k) % num_n
+    k_tile = pid % num_k
     count = tl.load(counts_ptr + e)
     start = tl.load(starts_ptr + e)
+    offs_n = n_tile * BN + tl.arange(0, BN)
+    offs_k = k_tile * BK + tl.arange(0, BK)
+    n_live = offs_n < N
+    k_live = offs_k < K
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     bias_acc = tl.zeros([BN], dtype=tl.float32)
     for r0 in range(0, count, BR):
-        lt, r = _wgrad_rows(l_ptr, r_ptr, order_ptr, start, count, r0, offs_n, offs_k, n_live, k_live,
-                            dw_ptr.dtype.element_ty, TOP_K, stride_lm, stride_rm, R_BY_TOKEN, BR)
+        rows = r0 + tl.arange(0, BR)
+        live = rows < count
+        srow = (start + rows).to(tl.int64)
+        lt = tl.load(l_ptr + srow[None, :] * stride_lm + offs_n[:, None], mask=n_live[:, None] & live[None, :],
+                     other=0.0).to(dw_ptr.dtype.element_ty)
+        r = tl.load(r_ptr + srow[:, None] * stride_rm + offs_k[None, :], mask=live[:, None] & k_live[None, :],
+                    other=0.0).to(dw_ptr.dtype.element_ty)
         acc = tl.dot(lt, r, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             bias_acc += tl.sum(lt.to(tl.float32), 1)
-    _store_wgrad_tile(dw_ptr, dbias_ptr, e, n0, k0, acc, bias_acc, N, K, BN, BK, HAS_BIAS)
+    dw_ptrs = dw_ptr + e.to(tl.int64) * (N * K) + offs_n[:, None] * K + offs_k[None, :]
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_live[:, None] & k_live[None, :])
+    if HAS_BIAS:
+        if k_tile == 0:
+            tl.store(dbias_ptr + e * N + offs_n, bias_acc.to(dbias_ptr.dtype.element_ty), mask=n_live)
 
 
 @triton.jit

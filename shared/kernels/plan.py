@@ -259,14 +259,13 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
 
 
 def _wgrad(problem: Problem, *, l: str, r: str, N: int, K: int, out: Buffer, bias_out: Buffer | None,
-           stride_lm: int, stride_rm: int, r_by_token=False) -> Step:
+           stride_lm: int, stride_rm: int) -> Step:
     E = problem.E
     cfg = tile_config(problem.device, "wgrad", N, K, E, problem.S)
-    constants = dict(E=E, N=N, K=K, TOP_K=problem.k, stride_lm=stride_lm, stride_rm=stride_rm,
-                     R_BY_TOKEN=r_by_token, HAS_BIAS=bias_out is not None,
+    constants = dict(E=E, N=N, K=K, stride_lm=stride_lm, stride_rm=stride_rm, HAS_BIAS=bias_out is not None,
                      BN=cfg.BN, BK=cfg.BK, BR=cfg.BM, DOT_PRECISION=_dot_precision(problem))
     return Step("grouped_wgrad_kernel", E * _cdiv(N, cfg.BN) * _cdiv(K, cfg.BK),
-                (l, r, "counts", "starts", "order"), (out, bias_out or _UNUSED), constants,
+                (l, r, "counts", "starts"), (out, bias_out or _UNUSED), constants,
                 cfg.num_warps, cfg.num_stages)
 
 
