@@ -422,7 +422,11 @@ WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 
                        C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4),
                        # (rows per step, N, K): fewer rows per step make an expert's few hundred rows a loop long
                        # enough to pipeline, and larger output tiles read each row fewer times
-                       C(32, 128, 128, 8, 4), C(32, 128, 256, 8, 3), C(32, 256, 128, 8, 3), C(16, 128, 128, 4, 4)]
+                       C(32, 128, 128, 8, 4), C(32, 128, 256, 8, 3), C(32, 256, 128, 8, 3), C(16, 128, 128, 4, 4),
+                       # the whole row steps through tensor descriptors (TMA), the last partial one through pointers
+                       *(C(*c, TMA=True) for c in ((64, 128, 128, 8, 3), (64, 128, 128, 8, 4), (32, 128, 128, 8, 4),
+                                                   (16, 128, 128, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
+                                                   (128, 128, 64, 8, 3), (128, 128, 128, 8, 2)))]
 # Persistent weight-gradient programs (132, 264 or 396 programs, one flat loop over their tiles' row steps) were
 # slower than one program per tile for every step and shape (tests/device_results/nvidia-h200-triton-steps-wgrad-
 # persistent.json), so the kernel has no such mode.
@@ -486,7 +490,8 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
                 return {"shape": shape, "T": T, "plan": which, "step": label, "ms": round(ms, 4),
                         "tflops": round(flops / ms / 1e9, 1) if flops else None,
                         "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
-                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC"), c.get("WARP_SPECIALIZE")]}
+                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC", c.get("DESC")),
+                                   c.get("WARP_SPECIALIZE")]}
 
             plan, labelled = _labelled_steps(problem, which)
             record(results, "steps", f"{shape} T={T} {which}",
@@ -599,15 +604,17 @@ def large_jax_training(results, tokens=(16384, 65536)):
 # --- weight tiles through tensor descriptors ------------------------------------------------------------------
 
 def descriptor_checks(results):
-    """The grouped GEMMs with TMA weight loads (forward and backward, both weight layouts) against the pointer loads
-    on the same inputs: the same bits in torch; and in JAX, allowed for this check (``TENSOR_DESCRIPTORS``), whether
-    its launches give descriptors their workspace, and the same bits as torch."""
+    """The grouped GEMMs with TMA weight loads (forward and backward, both weight layouts) and the weight gradients
+    with TMA row loads, against the pointer loads on the same inputs: the same bits in torch; and in JAX, allowed
+    for this check (``TENSOR_DESCRIPTORS``), whether its launches give descriptors their workspace, and the same
+    bits as torch."""
     import jax
     import torch
     from moe_jax.backends import triton as jax_backend
     from moe_torch.backends import triton as torch_backend
     arrays, grad_output = random_case(21, T=300, H=256, I=128, E=8, k=2, bias=True, empty_fraction=0.1)
-    shapes = (("gate_up", 128, 256), ("down", 256, 128), ("dgrad_down", 128, 256), ("dgrad_up", 256, 256))
+    shapes = (("gate_up", 128, 256), ("down", 256, 128), ("dgrad_down", 128, 256), ("dgrad_up", 256, 256),
+              ("wgrad", 256, 128), ("wgrad", 256, 256))
 
     def configure(tma):
         plans.OVERRIDES.clear()
@@ -626,8 +633,9 @@ def descriptor_checks(results):
         x, ids, gate_up, down = (torch.empty(s, device="cuda", dtype=torch.bfloat16)
                                  for s in ((300, 256), (300, 2), (8, 256, 256), (8, 256, 128)))
         problem = torch_backend.problem_of(x, ids, gate_up, down, None, None, "silu")
-        codes = [st.constants["B_DESC"] for st in plans.forward_plan(problem, training=True).steps
-                 + plans.backward_plan(problem).steps if st.kernel == "grouped_gemm_kernel"]
+        steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
+        codes = ([st.constants["B_DESC"] for st in steps if st.kernel == "grouped_gemm_kernel"]
+                 + [st.constants["DESC"] for st in steps if st.kernel == "grouped_wgrad_kernel"])
         same = all(np.array_equal(plain[n], described[n]) for n in plain)
         if not same or not all(codes):
             raise AssertionError({"same": same, "codes": codes})

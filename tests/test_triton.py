@@ -422,16 +422,19 @@ def _described_run(arrays, grad_output, transposed: bool):
     problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
                                               ts["down_proj"], ts["gate_up_bias"], ts["down_bias"], "silu")
     steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
-    return result, [s.constants["B_DESC"] for s in steps if s.kernel == "grouped_gemm_kernel"]
+    return result, ([s.constants["B_DESC"] for s in steps if s.kernel == "grouped_gemm_kernel"]
+                    + [s.constants["DESC"] for s in steps if s.kernel == "grouped_wgrad_kernel"])
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["stored", "transposed"])
 def test_weight_tiles_through_tensor_descriptors_give_the_same_bits(transposed, monkeypatch):
     """TMA=True loads the weight tiles through tensor descriptors (rows of n where k is contiguous, rows of k where
-    n is): the same tiles, so the same bits as the masked pointer loads, forward and backward."""
+    n is), and the weight gradients' whole row steps (the last partial step of each expert through pointers): the
+    same tiles, so the same bits as the masked pointer loads, forward and backward."""
     arrays, grad_output = random_case(10, T=40, H=32, I=16, E=3, k=2, bias=True, empty_fraction=0.1)
     monkeypatch.setattr(torch_triton_backend, "tensor_descriptors_allowed", lambda *weights: True)
-    shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
+    shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32),
+              ("wgrad", 32, 16), ("wgrad", 32, 32))
     try:
         for kernel, N, K in shapes:
             plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16)
@@ -445,9 +448,10 @@ def test_weight_tiles_through_tensor_descriptors_give_the_same_bits(transposed, 
         plans.OVERRIDES.clear()
         plans.clear_caches()
     k_rows, n_rows = plans.B_K_ROWS, plans.B_N_ROWS
-    assert plain_codes == [plans.B_POINTERS] * 4
-    # forward gate_up, down; backward dgrad_down, dgrad_up (the transposed weights swap the orientations)
-    assert codes == ([n_rows, n_rows, k_rows, k_rows] if transposed else [k_rows, k_rows, n_rows, n_rows])
+    assert plain_codes == [plans.B_POINTERS] * 4 + [False] * 2
+    # forward gate_up, down; backward dgrad_down, dgrad_up (the transposed weights swap the orientations); then
+    # both weight gradients
+    assert codes == ([n_rows, n_rows, k_rows, k_rows] if transposed else [k_rows, k_rows, n_rows, n_rows]) + [True] * 2
     for name in plain:
         np.testing.assert_array_equal(described[name], plain[name], err_msg=name)
 

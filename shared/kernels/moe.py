@@ -259,11 +259,15 @@ def grouped_wgrad_kernel(
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
     stride_lm: tl.constexpr, stride_rm: tl.constexpr, HAS_BIAS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DESC: tl.constexpr = False, ROWS: tl.constexpr = 1,
 ):
     """dw[e] ([N, K]) = sum over expert e's sorted rows of L[row]^T R[row], and dbias[e] = the sum of L's rows.
 
     Grid: E * N tiles * K tiles; an idle expert's tiles are written as zeros. The loop over the expert's rows has
-    run-time bounds (a ``for`` loop, so the loads are pipelined)."""
+    run-time bounds (a ``for`` loop, so the loads are pipelined). ``DESC`` loads the expert's whole BR-row steps
+    through tensor descriptors (TMA on Hopper) over L and R as [ROWS, N] and [ROWS, K] arrays, and its last partial
+    step through masked pointers (the rows after it are the next expert's); the same rows in the same steps, so the
+    same sums."""
     pid = tl.program_id(0)
     num_n: tl.constexpr = (N + BN - 1) // BN
     num_k: tl.constexpr = (K + BK - 1) // BK
@@ -278,7 +282,17 @@ def grouped_wgrad_kernel(
     k_live = offs_k < K
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     bias_acc = tl.zeros([BN], dtype=tl.float32)
-    for r0 in range(0, count, BR):
+    rest = 0
+    if DESC:
+        l_desc = tl.make_tensor_descriptor(l_ptr, shape=[ROWS, N], strides=[stride_lm, 1], block_shape=[BR, BN])
+        r_desc = tl.make_tensor_descriptor(r_ptr, shape=[ROWS, K], strides=[stride_rm, 1], block_shape=[BR, BK])
+        rest = count - count % BR
+        for r0 in range(0, rest, BR):
+            lt = l_desc.load([start + r0, n_tile * BN]).T
+            acc = tl.dot(lt, r_desc.load([start + r0, k_tile * BK]), acc, input_precision=DOT_PRECISION)
+            if HAS_BIAS:
+                bias_acc += tl.sum(lt.to(tl.float32), 1)
+    for r0 in range(rest, count, BR):
         rows = r0 + tl.arange(0, BR)
         live = rows < count
         srow = (start + rows).to(tl.int64)

@@ -90,7 +90,8 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     GROUP_M: int = 1  # row blocks that take the N tiles together (row-block kernels)
-    TMA: bool = False  # grouped GEMMs: the weight tiles through a tensor descriptor where the binding allows it
+    TMA: bool = False  # through tensor descriptors where the binding allows it: grouped GEMMs the weight tiles,
+    # wgrad the row tiles
     WARP_SPECIALIZE: bool = False  # grouped GEMMs: loading and multiplying warps apart (triton's tl.range option)
 
 
@@ -262,8 +263,13 @@ def _wgrad(problem: Problem, *, l: str, r: str, N: int, K: int, out: Buffer, bia
            stride_lm: int, stride_rm: int) -> Step:
     E = problem.E
     cfg = tile_config(problem.device, "wgrad", N, K, E, problem.S)
+    size = _ITEMSIZE[problem.dtype]
+    # descriptors for 16-bit rows only (the transposed L tile of a float32 dot wants k-contiguous rows)
+    desc = (cfg.TMA and problem.tma and size == 2 and problem.S > 0 and min(cfg.BN, cfg.BK) * size >= _TMA_ALIGN
+            and all(stride * size % _TMA_ALIGN == 0 for stride in (stride_lm, stride_rm)))
     constants = dict(E=E, N=N, K=K, stride_lm=stride_lm, stride_rm=stride_rm, HAS_BIAS=bias_out is not None,
-                     BN=cfg.BN, BK=cfg.BK, BR=cfg.BM, DOT_PRECISION=_dot_precision(problem))
+                     BN=cfg.BN, BK=cfg.BK, BR=cfg.BM, DOT_PRECISION=_dot_precision(problem), DESC=desc,
+                     ROWS=problem.S if desc else 1)
     return Step("grouped_wgrad_kernel", E * _cdiv(N, cfg.BN) * _cdiv(K, cfg.BK),
                 (l, r, "counts", "starts"), (out, bias_out or _UNUSED), constants,
                 cfg.num_warps, cfg.num_stages)
