@@ -16,14 +16,16 @@ the reference shows under roundings at the backends' rounding points. A wrong re
 
 The examples are the same on every run (derandomize, no database). JAX compiles every new shape (about a second
 per example and backend, three for eager), so it gets fewer examples than torch: the file runs in about a minute on
-two cores. ``triton`` is left out: it runs on CUDA only, or under the Triton interpreter, which is too slow for a
-fuzzing budget (tests/test_triton.py runs it there on fixed cases).
+two cores. ``triton`` runs on CUDA only, or under the Triton interpreter, which executes each program on the host:
+its kernels get a few draws there (``TRITON_EXAMPLES``) through the torch binding, besides tests/test_triton.py's
+fixed cases.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +53,7 @@ def _cpu_backends(available: dict[str, str | None]) -> list[str]:
 
 TORCH_BACKENDS = _cpu_backends(moe_torch.available_backends("cpu"))
 JAX_BACKENDS = _cpu_backends(moe_jax.available_backends("cpu"))
-TORCH_EXAMPLES, JAX_EXAMPLES = 100, 6
+TORCH_EXAMPLES, JAX_EXAMPLES, TRITON_EXAMPLES = 100, 6, 40
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 NOISE_FACTOR = 4
 REGISTRIES = {"torch": moe_torch.ExpertsInterface, "jax": moe_jax.BACKENDS}
@@ -337,11 +339,13 @@ def torch_inputs(problem: Problem) -> dict[str, torch.Tensor]:
     return out
 
 
-def torch_results(problem: Problem, backend: str) -> dict[str, np.ndarray]:
-    """Forward and every gradient, ids unchecked (validate=False)."""
+def torch_results(problem: Problem, backend: str, forward=None) -> dict[str, np.ndarray]:
+    """Forward and every gradient, ids unchecked (validate=False); ``forward``: a backend module's function called
+    directly instead (it checks no ids)."""
     tensors = torch_inputs(problem)
-    out = moe_torch.experts_forward(**tensors, implementation=backend, activation=problem.activation_for("torch"),
-                                    validate=False)
+    if forward is None:
+        forward = partial(moe_torch.experts_forward, implementation=backend, validate=False)
+    out = forward(**tensors, activation=problem.activation_for("torch"))
     assert out.dtype == TORCH_DTYPES[problem.params["hidden_states"]] and out.shape == problem.grad_output.shape
     out.backward(torch.from_numpy(problem.grad_output).to(out.dtype))
     results = {"out": out.detach().double().numpy()}
@@ -377,6 +381,56 @@ def test_torch_backend_matches_the_reference(backend, params):
     if problem.has_bad_ids:
         check_ids(problem, "torch", backend)
     check_close(problem, torch_results(problem, backend), problem.expected, f"torch {backend}")
+
+
+@fuzz(TRITON_EXAMPLES)
+@given(params=problem_params())
+@example(params=_params(T=0, H=3, I=5, E=2, k=2, bias=True))
+# the torch binding passed strided hidden_states to the kernels, which read rows of H (a wrong result), and gave the
+# plan a bias's own row stride while handing the kernels a contiguous copy of it
+@example(params=_params(T=9, H=20, I=12, E=5, k=3, weights="bfloat16", hidden_states="float32", routing="idle",
+                        empty_fraction=0.25, bad_ids=True, layout="transposed"))
+@example(params=_params(T=6, H=16, I=8, E=3, k=2, bias=True, layout="transposed"))
+@example(params=_params(T=6, H=16, I=8, E=3, k=2, bias=True, layout="step"))
+def test_triton_kernels_match_the_reference(params):
+    """The shared Triton kernels under the interpreter, through the torch binding's module function, on the same
+    draws (a few: the interpreter runs each program on the host): forward and every gradient; out-of-range ids are
+    empty slots there (the module function checks none). Named activations only (the kernels take no callables)."""
+    import triton_interpreter  # noqa: F401  (the GPU's bfloat16 dot and rounding)
+    from moe_torch.backends import triton as triton_backend
+    problem = build_problem(params)
+    if problem.activation in CUSTOM_GATES:
+        return
+    check_close(problem, torch_results(problem, "triton", forward=triton_backend.experts_forward),
+                problem.expected, "torch triton (interpreter)")
+
+
+@fuzz(TRITON_EXAMPLES // 2)
+@given(params=problem_params())
+@example(params=_params(T=7, H=12, I=8, E=3, k=2, weights="bfloat16", hidden_states="float32", bias=True,
+                        empty_fraction=0.25))
+def test_triton_kernels_give_torch_and_jax_the_same_bits(params):
+    """The same draws through the JAX binding (jitted, its kernels under the interpreter): the same kernels with
+    the same configs as torch's, so the same bits, forward and every gradient."""
+    import triton_interpreter
+    from moe_jax.backends import triton as jax_triton
+    from moe_torch.backends import triton as torch_triton
+    problem = build_problem(params)
+    if problem.activation in CUSTOM_GATES:
+        return
+    want = torch_results(problem, "triton", forward=torch_triton.experts_forward)
+    arrays = jax_inputs(problem)
+    diff = {n: a for n, a in arrays.items() if n in DIFF_ARGS}
+
+    def f(d):
+        return jax_triton.experts_forward(**(arrays | d), activation=problem.activation_for("jax"))
+
+    with jax_triton.use_launcher(triton_interpreter.jax_interpreter_launch):
+        out, vjp = jax.vjp(jax.jit(f), diff)
+        grads = jax.jit(vjp)(jnp.asarray(problem.grad_output).astype(out.dtype))[0]
+    got = {n: np.asarray(v.astype(jnp.float32), np.float64) for n, v in ({"out": out} | grads).items()}
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 # --- JAX --------------------------------------------------------------------------------------------------------

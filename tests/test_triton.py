@@ -229,6 +229,30 @@ def test_strided_weights_are_read_in_place():
     torch.testing.assert_close(strided, plain, rtol=1e-6, atol=1e-6)
 
 
+def _every_other(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view with a step of 2 on every axis (no unit stride anywhere)."""
+    big = torch.zeros([2 * n for n in t.shape], dtype=t.dtype)
+    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def test_strided_inputs_give_the_same_bits_as_contiguous_ones():
+    """hidden_states, the ids, the routing weights (k = 1: reshape keeps a strided view there), the weights and the
+    biases as views with a step of 2: the binding hands the kernels what they read with a unit stride, so the
+    output and every gradient are the same bits as from contiguous inputs."""
+    arrays, grad_output = random_case(12, T=12, H=16, I=8, E=3, k=1, bias=True, empty_fraction=0.1)
+    results = []
+    for layout in (lambda t: t, _every_other):
+        ts = {n: layout(t).requires_grad_(n in DIFF_ARGS) for n, t in to_torch(arrays, "bfloat16").items()}
+        out = torch_triton_backend.experts_forward(**ts)
+        out.backward(torch.from_numpy(np.asarray(grad_output, np.float32)).to(out.dtype))
+        results.append({"out": out.detach()} | {n: t.grad for n, t in ts.items() if n in DIFF_ARGS})
+    assert not any(t.stride(-1) == 1 for t in ts.values())
+    for name, plain in results[0].items():
+        torch.testing.assert_close(results[1][name], plain, rtol=0, atol=0, msg=name)
+
+
 def test_torch_custom_ops_trace_fullgraph_with_their_fake_implementations():
     """torch.compile(fullgraph=True) through the custom ops' fake implementations and autograd registration
     (aot_eager: the graph is traced as for inductor, then run eagerly on the interpreter)."""

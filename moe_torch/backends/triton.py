@@ -113,11 +113,13 @@ def _launch(kernel, step: plans.Step, args: list) -> None:
 
 
 def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torch.Tensor]:
-    env = {"x": x, "ids": ids.reshape(-1), "w": w.reshape(-1), "gate_up": gate_up, "down": down}
+    # the slots' ids and weights as [T*k] with a unit stride (reshape keeps a strided view where it can)
+    env = {"x": x, "ids": ids.reshape(-1).contiguous(), "w": w.reshape(-1).contiguous(), "gate_up": gate_up,
+           "down": down}
     if gate_up_bias is not None:
-        env["gate_up_bias"] = gate_up_bias if gate_up_bias.stride(-1) == 1 else gate_up_bias.contiguous()
+        env["gate_up_bias"] = gate_up_bias
     if down_bias is not None:
-        env["down_bias"] = down_bias if down_bias.stride(-1) == 1 else down_bias.contiguous()
+        env["down_bias"] = down_bias
     return env
 
 
@@ -212,6 +214,11 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     add its rows into float32 token rows with atomics instead of the per-token combine kernel: the order of the
     additions, and so the last bits, then vary from run to run. Under autograd the forward is always deterministic."""
     SUPPORT.check_activation(NAME, activation)
+    # the kernels read hidden_states' rows and the biases' rows with a unit stride (the weights through their
+    # strides, as stored)
+    hidden_states = hidden_states.contiguous()
+    gate_up_bias, down_bias = (b if b is None or b.stride(-1) == 1 else b.contiguous()
+                               for b in (gate_up_bias, down_bias))
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return triton_experts_train(*args, activation)[0].to(hidden_states.dtype)
