@@ -127,7 +127,7 @@ def grouped_gemm_kernel(
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
     stride_am: tl.constexpr, stride_be: tl.constexpr, stride_bk: tl.constexpr, stride_bn: tl.constexpr,
     stride_bias_e: tl.constexpr, stride_cm: tl.constexpr, GATE_OFFSET: tl.constexpr,
-    A_BY_TOKEN: tl.constexpr, SCALE_A: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
@@ -136,8 +136,7 @@ def grouped_gemm_kernel(
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
-    A rows: ``A_BY_TOKEN`` gathers token ``order[r] // TOP_K`` (no permuted copy), else sorted row r; ``SCALE_A``
-    multiplies them by the slot's routing weight (``scale``) in float32. Epilogues: PLAIN stores C (+ bias);
+    A rows: ``A_BY_TOKEN`` gathers token ``order[r] // TOP_K`` (no permuted copy), else sorted row r. Epilogues: PLAIN stores C (+ bias);
     GATED_FORWARD computes the gate columns n and the up columns GATE_OFFSET + n, adds the bias, stores
     act(g) * u (and g, u to ``aux`` with STORE_PREACT); GATED_BACKWARD takes C as d(act(g) * u) and stores
     [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
@@ -176,7 +175,7 @@ def grouped_gemm_kernel(
     n_live = offs_n < N
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    if SCALE_A or ACCUMULATE:
+    if ACCUMULATE:
         scale = tl.load(scale_ptr + slot, mask=live, other=0.0).to(tl.float32)
     if B_DESC == B_K_ROWS:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * B_ROWS, B_COLS], strides=[stride_bn, 1],
@@ -197,8 +196,6 @@ def grouped_gemm_kernel(
             a_mask = live[:, None] & k_live[None, :]
             b_mask = k_live[:, None] & n_live[None, :]
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if SCALE_A:
-            a = a.to(tl.float32) * scale[:, None]
         a = a.to(b_ptr.dtype.element_ty)
         if B_DESC == B_K_ROWS:
             b = b_desc.load([b_row, k0]).T

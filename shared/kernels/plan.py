@@ -236,7 +236,7 @@ def _b_descriptor(problem: Problem, cfg: TileConfig, b_strides: tuple[int, int, 
 
 
 def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_strides: tuple[int, int, int],
-          out: Buffer, stride_am: int, stride_cm: int, a_by_token=False, scale_a=False, bias=("x", 0, False),
+          out: Buffer, stride_am: int, stride_cm: int, a_by_token=False, bias=("x", 0, False),
           epilogue=PLAIN, preact_out: Buffer | None = None, preact_in="x", c_by_slot=False,
           accumulate=False) -> Step:
     """A grouped_gemm_kernel step: out = A @ B[e] over sorted rows, B[e] a [K, N] view with strides
@@ -247,7 +247,7 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
     constants = dict(
         E=E, N=N, K=K, TOP_K=problem.k, stride_am=stride_am, stride_be=b_strides[0], stride_bk=b_strides[1],
         stride_bn=b_strides[2], stride_bias_e=bias_stride, stride_cm=stride_cm, GATE_OFFSET=problem.I,
-        A_BY_TOKEN=a_by_token, SCALE_A=scale_a, HAS_BIAS=has_bias, EPILOGUE=epilogue,
+        A_BY_TOKEN=a_by_token, HAS_BIAS=has_bias, EPILOGUE=epilogue,
         ACTIVATION=ACTIVATION_CODES[problem.activation], STORE_PREACT=preact_out is not None,
         C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E),
         DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
