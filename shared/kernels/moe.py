@@ -136,10 +136,10 @@ def grouped_gemm_kernel(
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
-    A rows: ``A_BY_TOKEN`` gathers token ``order[r] // TOP_K`` (no permuted copy), else sorted row r. Epilogues: PLAIN stores C (+ bias);
-    GATED_FORWARD computes the gate columns n and the up columns GATE_OFFSET + n, adds the bias, stores
-    act(g) * u (and g, u to ``aux`` with STORE_PREACT); GATED_BACKWARD takes C as d(act(g) * u) and stores
-    [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
+    A rows: ``A_BY_TOKEN`` gathers token ``order[r] // TOP_K`` (no permuted copy), else sorted row r. Epilogues:
+    PLAIN stores C (+ bias); GATED_FORWARD computes the gate columns n and the up columns GATE_OFFSET + n, adds the
+    bias, stores act(g) * u (and g, u to ``aux`` with STORE_PREACT); GATED_BACKWARD takes C as d(act(g) * u) and
+    stores [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
     atomically added to the token's row scaled by the routing weight. ``EVEN_K`` (K a multiple of BK) drops the
     K masks. Grid: one program per (row block, N tile) over ``ROW_BLOCKS``, a static upper bound of row blocks
     (blocks past the last expert's return at once), ``GROUP_M`` row blocks at a time over every N tile so that

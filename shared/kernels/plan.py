@@ -123,8 +123,8 @@ def default_config(kernel: str, N: int, K: int, rows_per_expert: float) -> TileC
     up to a power of two within [16, 128], so a decode batch pads each expert's block to 16 rows and each hit
     expert's weights are read once per N tile; BN 64 (two accumulators for gate_up) or 128 from BM 64 on, BK 64,
     8 warps from BM 128 on, GROUP_M 8 from BM 64 on (row blocks sharing weight tiles in L2: faster or equal for 10
-    of 12 GEMM steps at T=4096 on the H200). ``wgrad``: 128 x 128 output tiles over 64-row steps (BM is the row step). ``decode``:
-    GEMV tiles of 32 outputs x 256 inputs.
+    of 12 GEMM steps at T=4096 on the H200). ``wgrad``: 128 x 128 output tiles over 64-row steps (BM is the row
+    step). ``decode``: GEMV tiles of 32 outputs x 256 inputs.
     """
     if kernel == "decode":
         return TileConfig(BM=1, BN=32, BK=256, num_warps=4, num_stages=2)
