@@ -65,6 +65,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=100)
     p.add_argument("--min-time", type=float, default=0.2, help="seconds of timed calls per point")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every point of a config and token count this many times, interleaved with the other "
+                        "series', and pool the samples: ours / theirs ratios then do not depend on when in the run "
+                        "each series was timed (decode points move by tenths of a millisecond within a run)")
     p.add_argument("--stream-rounds", type=int, default=5,
                    help="rounds of calls issued back to back over the input sets, timed per round (stream_ms)")
     p.add_argument("--max-call-s", type=float, default=2.0, help="skip points estimated slower than this per call")
@@ -112,7 +116,7 @@ def options(args: argparse.Namespace) -> Options:
     if args.compile_mode not in ("best", "all"):
         _choices(args.compile_mode, COMPILE_PREFERENCE, "--compile-mode")
     for name, value in (("--sets", args.sets), ("--warmup", args.warmup), ("--min-reps", args.min_reps),
-                        ("--max-reps", args.max_reps)):
+                        ("--max-reps", args.max_reps), ("--rounds", args.rounds)):
         if value < 1:
             raise SystemExit(f"{name}: expected a positive integer, got {value}")
     return Options(
@@ -125,7 +129,7 @@ def options(args: argparse.Namespace) -> Options:
         n_sets=args.sets, seed=args.seed,
         memory_budget=args.mem_budget_gib * GIB if args.mem_budget_gib else default_memory_budget(device),
         max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast, peers=not args.no_peers,
-        resumed=_resumed(args.resume, device, dtype) if args.resume else (),
+        resumed=_resumed(args.resume, device, dtype) if args.resume else (), rounds=args.rounds,
     )
 
 

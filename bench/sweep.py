@@ -24,7 +24,7 @@ from . import budget, inputs, roofline
 from .configs import Config
 from .progress import progress
 from .peers import PEERS, library_of
-from .runners import RUNNERS, Runner, Timing, Variant, series
+from .runners import RUNNERS, Measurement, Runner, Timing, Variant, series
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class Options:
     fail_fast: bool = False
     peers: bool = True  # run the peer series whose package is importable
     resumed: Sequence[dict] = ()  # records of an earlier run (--resume): kept, and their points not run again
+    rounds: int = 1  # times every point of a (config, tokens) is timed, interleaved; its samples pooled
 
 
 def point_key(record: dict) -> tuple:
@@ -187,21 +188,33 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
                         bar.update(len(here))
                         continue
                     del sets
-                    for p in here:
-                        bar.set_description(f"{cfg.name} {series(fw, p.backend, p.variant, p.mode)} T={tokens}")
-                        key = (fw, cfg.name, p.backend, p.variant, p.mode)
-                        reason = slow.reason(key, hits, runner.recompiles_per_routing(p.variant))
-                        if reason is not None:
-                            results.skipped.append(_where(fw, p.backend, cfg, tokens, p.mode, p.variant)
-                                                   | {"reason": reason})
-                        else:
-                            run_s = _run_point(p, runner, opts, peaks, hits, itemsize=dtype.itemsize,
-                                               reference=references[cfg.name, tokens], results=results, bar=bar)
-                            if run_s is not None:
-                                slow.record(key, tokens, run_s, hits)
-                            if checkpoint is not None:
+                    measured: dict[Point, list[Measurement]] = {}
+                    for round_ in range(opts.rounds):
+                        for p in here:
+                            bar.set_description(f"{cfg.name} {series(fw, p.backend, p.variant, p.mode)} T={tokens}")
+                            key = (fw, cfg.name, p.backend, p.variant, p.mode)
+                            if round_ == 0:
+                                reason = slow.reason(key, hits, runner.recompiles_per_routing(p.variant))
+                                if reason is not None:
+                                    results.skipped.append(_where(fw, p.backend, cfg, tokens, p.mode, p.variant)
+                                                           | {"reason": reason})
+                                    bar.update(1)
+                                    continue
+                            elif p not in measured:
+                                continue
+                            m = _measure_point(p, runner, opts, results, bar)
+                            if m is None:
+                                measured.pop(p, None)
+                            else:
+                                measured.setdefault(p, []).append(m)
+                            if round_ == opts.rounds - 1 and p in measured:
+                                run_s = _record_point(p, _pooled(measured[p]), peaks, hits, opts.dtype,
+                                                      dtype.itemsize, references[cfg.name, tokens], results)
+                                slow.record(key, tokens, run_s / len(measured[p]), hits)
+                            if round_ == opts.rounds - 1 and checkpoint is not None:
                                 checkpoint(results)
-                        bar.update(1)
+                            if round_ == 0:
+                                bar.update(1)
                     runner.release()
                 del weights
                 runner.release()
@@ -219,12 +232,11 @@ def _fail(points: Sequence[Point], err: Exception, doing: str, results: Results,
     bar.write(traceback.format_exc(limit=-4))
 
 
-def _run_point(p: Point, runner: Runner, opts: Options, peaks: roofline.Peaks, hits: float, *, itemsize: int,
-               reference: np.ndarray, results: Results, bar) -> float | None:
-    """Measure one point into ``results``; its ``run_s``, or None if it failed."""
+def _measure_point(p: Point, runner: Runner, opts: Options, results: Results, bar) -> Measurement | None:
+    """One measurement of a point; None if it failed (recorded in ``results``)."""
     where = _where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.variant)
     try:
-        m = runner.measure(p.backend, p.mode, p.variant, opts.n_sets, opts.timing)
+        return runner.measure(p.backend, p.mode, p.variant, opts.n_sets, opts.timing)
     except Exception as err:  # noqa: BLE001  (reported per point; --fail-fast re-raises)
         if opts.fail_fast:
             raise
@@ -236,6 +248,20 @@ def _run_point(p: Point, runner: Runner, opts: Options, peaks: roofline.Peaks, h
             return None
         _fail([p], err, "measuring", results, bar)
         return None
+
+
+def _pooled(measurements: Sequence[Measurement]) -> Measurement:
+    """The rounds of one point as one measurement: every round's samples, the largest peak, the first output."""
+    peaks = [m.peak_mem_gib for m in measurements if m.peak_mem_gib is not None]
+    return Measurement([ms for m in measurements for ms in m.ms], max(peaks) if peaks else None,
+                       measurements[0].output, sum(m.run_s for m in measurements),
+                       stream_ms=[ms for m in measurements for ms in m.stream_ms],
+                       wall_ms=[ms for m in measurements for ms in m.wall_ms])
+
+
+def _record_point(p: Point, m: Measurement, peaks: roofline.Peaks, hits: float, dtype: str, itemsize: int,
+                  reference: np.ndarray, results: Results) -> float:
+    """Append the point's record to ``results``; its ``run_s``."""
     cfg = p.cfg
     n_flops = roofline.flops(p.tokens, cfg.hidden, cfg.intermediate, cfg.top_k, p.mode)
     n_bytes = roofline.bytes_moved(p.tokens, cfg.hidden, cfg.intermediate, hits, itemsize, p.mode)
@@ -244,7 +270,7 @@ def _run_point(p: Point, runner: Runner, opts: Options, peaks: roofline.Peaks, h
         "framework": p.framework, "backend": p.backend, "library": library_of(p.framework, p.backend),
         "peer": p.backend in PEERS, "config": cfg.name, "hidden": cfg.hidden,
         "intermediate": cfg.intermediate, "experts": cfg.experts, "top_k": cfg.top_k, "tokens": p.tokens,
-        "dtype": opts.dtype, "mode": p.mode, "compiled": p.compiled, "compile_mode": p.variant, "ms": ms,
+        "dtype": dtype, "mode": p.mode, "compiled": p.compiled, "compile_mode": p.variant, "ms": ms,
         "stream_ms": m.median_stream_ms, "wall_ms": m.median_wall_ms,
         "floor_ms": roofline.floor_ms(n_flops, n_bytes, peaks.tflops, peaks.tbs),
         "tflops": n_flops / (ms * 1e-3) / 1e12, "peak_mem_gib": m.peak_mem_gib,

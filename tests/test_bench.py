@@ -502,3 +502,30 @@ def test_jax_jitted_training_call_keeps_only_the_forward_output():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(0)))
     runner.build("grouped_mm", "fwd+bwd", runners.JIT)
     assert runner.memory_detail()["xla_output_gib"] * 2**30 > runner.gate_up.nbytes
+
+
+def test_rounds_interleave_the_series_and_pool_their_samples(tmp_path, monkeypatch):
+    """--rounds 3: every point of a (config, tokens) is timed once per round, the series taking turns (a, b, a, b,
+    ...), and its record's median is over all rounds' samples."""
+    order, samples = [], {}
+    real_measure = runners.Runner.measure
+
+    def measure(self, backend, mode, variant, n_sets, timing):
+        m = real_measure(self, backend, mode, variant, n_sets, timing)
+        order.append((backend, m.ms[0]))
+        fake = [float(len(order))]  # one sample per round: 1, 2, 3, ... in the order timed
+        samples.setdefault(backend, []).extend(fake)
+        return runners.Measurement(fake, m.peak_mem_gib, m.output, m.run_s, m.stream_ms, m.wall_ms)
+
+    monkeypatch.setattr(runners.Runner, "measure", measure)
+    argv = ["--config", "tiny", "--tokens", "2", "--device", "cpu", "--out", str(tmp_path), "--frameworks", "torch",
+            "--backends", "eager,grouped_mm", "--modes", "fwd", "--no-peers", "--min-reps", "1", "--max-reps", "1",
+            "--min-time", "0", "--sets", "1", "--stream-rounds", "1", "--no-plot"]
+    assert main(argv + ["--rounds", "3"]) == 0
+    assert [b for b, _ in order] == ["eager", "grouped_mm"] * 3
+    (path,) = tmp_path.glob("*/*-tiny.json")
+    records = {r["backend"]: r for r in json.loads(path.read_text())["records"]}
+    assert {b: r["ms"] for b, r in records.items()} == {b: float(np.median(s)) for b, s in samples.items()}
+    assert records["eager"]["ms"] == 3.0 and records["grouped_mm"]["ms"] == 4.0
+    with pytest.raises(SystemExit, match="--rounds"):
+        main(argv + ["--rounds", "0"])
