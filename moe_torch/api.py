@@ -18,16 +18,17 @@ for _module in backends.ALL:
 
 _TENSOR_ARGS = ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias",
                 "down_bias")
-_CHECKED: dict[tuple, object] = {}  # signatures of arguments that passed the argument checks -> their dimensions
+_CHECKED: dict[tuple, object] = {}  # signatures of calls that passed the argument and requirement checks -> dims
 _CHECKED_MAX = 256
 
 
-def _signature(activation, tensors) -> tuple | None:
-    """What the argument checks depend on: the activation and each tensor's shape, dtype and device (None where
-    the activation is not hashable, or under torch.compile, which traces the checks once)."""
+def _signature(implementation, activation, tensors) -> tuple | None:
+    """What the argument and requirement checks depend on: the backend, the activation and each tensor's shape,
+    dtype and device (None where the activation is not hashable, or under torch.compile, which traces the checks
+    once)."""
     if torch.compiler.is_compiling():
         return None
-    key = (activation, tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
+    key = (implementation, activation, tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
     try:
         hash(key)
     except TypeError:
@@ -75,7 +76,7 @@ def experts_forward(
     for name, t in tensors.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    key = _signature(activation, tensors.values())
+    key = _signature(implementation, activation, tensors.values())
     dims = _CHECKED.get(key) if key is not None else None
     if dims is None:  # these checks depend only on the signature: done once per signature
         dims = check_arguments(*(info(t) for t in tensors.values()), activation=activation)
@@ -83,11 +84,11 @@ def experts_forward(
             if t is not None and t.device != hidden_states.device:
                 raise ValueError(f"{name}: expected a tensor on {hidden_states.device} (the device of "
                                  f"hidden_states), got one on {t.device}")
+        check_requirements(implementation, gate_up_proj.device, gate_up_proj.dtype)
         if key is not None:
             if len(_CHECKED) >= _CHECKED_MAX:
                 _CHECKED.clear()
             _CHECKED[key] = dims
-    check_requirements(implementation, gate_up_proj.device, gate_up_proj.dtype)
     if validate is None:
         validate = hidden_states.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate and dims.slots:

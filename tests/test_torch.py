@@ -671,3 +671,32 @@ def test_combine_gives_the_same_bits_with_and_without_autograd(vectorized, monke
     trained = base.combine(y.clone().requires_grad_(), slots, w.clone().requires_grad_(), torch.float32)
     assert torch.isfinite(plain.float()).all()
     np.testing.assert_array_equal(trained.detach().float().numpy(), plain.float().numpy())
+
+
+def test_argument_and_requirement_checks_run_once_per_signature(monkeypatch):
+    """The argument checks and the backend's requirement checks depend only on the call's signature (backend,
+    activation, shapes, dtypes, devices): done at its first call, skipped on the next; a failing check is never
+    remembered, so it raises at every call."""
+    from moe_torch import api
+    calls = []
+    real = api.check_requirements
+    monkeypatch.setattr(api, "check_requirements", lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setattr(api, "_CHECKED", {})
+    arrays, _ = random_case(4, T=3, H=8, I=4, E=3, k=2, bias=False)
+    tensors = to_torch(arrays, "float32")
+    for _ in range(3):
+        experts_forward(**tensors, implementation="eager")
+    assert len(calls) == 1
+    experts_forward(**tensors, implementation="grouped_mm")
+    experts_forward(**(tensors | {"hidden_states": tensors["hidden_states"][:2],
+                                  "top_k_index": tensors["top_k_index"][:2],
+                                  "top_k_weights": tensors["top_k_weights"][:2]}), implementation="eager")
+    assert len(calls) == 3
+
+    def missing(*args):
+        raise ImportError("a package is missing")
+
+    monkeypatch.setattr(api, "check_requirements", missing)
+    for _ in range(2):
+        with pytest.raises(ImportError, match="missing"):
+            experts_forward(**tensors, implementation="batched_mm")
