@@ -189,30 +189,29 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
                         continue
                     del sets
                     measured: dict[Point, list[Measurement]] = {}
-                    for round_ in range(opts.rounds):
-                        for p in here:
+                    for p in here:
+                        reason = slow.reason(_series_key(p), hits, runner.recompiles_per_routing(p.variant))
+                        if reason is None:
+                            measured[p] = []
+                        else:
+                            results.skipped.append(_where(fw, p.backend, cfg, tokens, p.mode, p.variant)
+                                                   | {"reason": reason})
+                            bar.update(1)
+                    for round_ in range(opts.rounds):  # the series take turns; each point recorded after its last
+                        for p in list(measured):
                             bar.set_description(f"{cfg.name} {series(fw, p.backend, p.variant, p.mode)} T={tokens}")
-                            key = (fw, cfg.name, p.backend, p.variant, p.mode)
-                            if round_ == 0:
-                                reason = slow.reason(key, hits, runner.recompiles_per_routing(p.variant))
-                                if reason is not None:
-                                    results.skipped.append(_where(fw, p.backend, cfg, tokens, p.mode, p.variant)
-                                                           | {"reason": reason})
-                                    bar.update(1)
-                                    continue
-                            elif p not in measured:
-                                continue
                             m = _measure_point(p, runner, opts, results, bar)
                             if m is None:
-                                measured.pop(p, None)
+                                del measured[p]
                             else:
-                                measured.setdefault(p, []).append(m)
-                            if round_ == opts.rounds - 1 and p in measured:
-                                run_s = _record_point(p, _pooled(measured[p]), peaks, hits, opts.dtype,
-                                                      dtype.itemsize, references[cfg.name, tokens], results)
-                                slow.record(key, tokens, run_s / len(measured[p]), hits)
-                            if round_ == opts.rounds - 1 and checkpoint is not None:
-                                checkpoint(results)
+                                measured[p].append(m)
+                            if round_ == opts.rounds - 1:
+                                if m is not None:
+                                    run_s = _record_point(p, _pooled(measured[p]), peaks, hits, opts.dtype,
+                                                          dtype.itemsize, references[cfg.name, tokens], results)
+                                    slow.record(_series_key(p), tokens, run_s / opts.rounds, hits)
+                                if checkpoint is not None:
+                                    checkpoint(results)
                             if round_ == 0:
                                 bar.update(1)
                     runner.release()
@@ -230,6 +229,10 @@ def _fail(points: Sequence[Point], err: Exception, doing: str, results: Results,
                               | {"error": message})
         bar.write(f"ERROR {p.cfg.name} {series(p.framework, p.backend, p.variant, p.mode)} T={p.tokens}: {message}")
     bar.write(traceback.format_exc(limit=-4))
+
+
+def _series_key(p: Point) -> tuple:
+    return (p.framework, p.cfg.name, p.backend, p.variant, p.mode)
 
 
 def _measure_point(p: Point, runner: Runner, opts: Options, results: Results, bar) -> Measurement | None:
