@@ -9,6 +9,8 @@ processes, which also compile in parallel). ``graphs``: CUDA-graph capture and r
 (fullgraph) in every mode, inference and training; JAX grouped_mm on the Triton kernel; which kernels ran.
 ``steps``: each step of the forward and backward plans timed alone at model shapes, and the GEMM steps under
 variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against pointer loads, torch and JAX.
+``tails``: short tiles for the experts' last blocks (SHORT_TAILS) against the reference, torch vs JAX.
+``profile``: the public call timed as the benchmark does and under torch.profiler (each kernel's time per call).
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
 ``--merge-steps RESULTS...`` (no GPU): the fastest variant of each step into the tile-config table.
@@ -19,12 +21,14 @@ out-of-memory, time and peak memory.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
 import sys
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -431,7 +435,13 @@ WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 
 # slower than one program per tile for every step and shape (tests/device_results/nvidia-h200-triton-steps-wgrad-
 # persistent.json), so the kernel has no such mode.
 VARIANT_TOKENS = 4096
-VARIANTS = {"grouped_gemm_kernel": ("gemm", STEP_VARIANTS), "grouped_wgrad_kernel": ("wgrad", WGRAD_STEP_VARIANTS)}
+# kind -> (kernel, the candidates given the step's own config, the token counts it runs at: None for every point)
+VARIANTS = {
+    "gemm": ("grouped_gemm_kernel", lambda own: STEP_VARIANTS, (VARIANT_TOKENS,)),
+    "wgrad": ("grouped_wgrad_kernel", lambda own: WGRAD_STEP_VARIANTS, (VARIANT_TOKENS,)),
+    # the step's own config with shorter tiles for the experts' last blocks (0: as it is, timed in the same run)
+    "tails": ("grouped_gemm_kernel", lambda own: [replace(own, SHORT_TAILS=n) for n in range(4)], None),
+}
 
 
 def _labelled_steps(problem, which):
@@ -491,17 +501,18 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
                         "tflops": round(flops / ms / 1e9, 1) if flops else None,
                         "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
                                    step.num_stages, c.get("GROUP_M"), c.get("B_DESC", c.get("DESC")),
-                                   c.get("WARP_SPECIALIZE")]}
+                                   c.get("WARP_SPECIALIZE"), c.get("SHORT_TAILS")]}
 
             plan, labelled = _labelled_steps(problem, which)
             record(results, "steps", f"{shape} T={T} {which}",
                    lambda lab=labelled, m=measure: [m(label, step) for label, step in lab])
-            for label, step in labelled:
-                kind, candidates = VARIANTS.get(step.kernel, (None, ()))
-                if kind not in variant_kinds or T != VARIANT_TOKENS:
+            for (label, step), kind in itertools.product(labelled, variant_kinds):
+                kernel, candidates_of, tokens = VARIANTS[kind]
+                if step.kernel != kernel or (tokens is not None and T not in tokens):
                     continue
                 c = step.constants
                 key = "wgrad" if kind == "wgrad" else label
+                candidates = candidates_of(plans.tile_config(problem.device, key, c["N"], c["K"], c["E"], problem.S))
 
                 def variants(label=label, key=key, c=c, m=measure, candidates=candidates):
                     out = []
@@ -518,7 +529,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
                     plans.clear_caches()
                     return out
 
-                record(results, "step-variants", f"{shape} T={T} {label}", variants)
+                record(results, "step-variants", f"{shape} T={T} {label} ({kind})", variants)
         torch.cuda.empty_cache()
 
 
@@ -526,7 +537,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
 STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("down", H, I),
              "dgrad_down": lambda H, I: ("dgrad_down", I, H), "dgrad_up": lambda H, I: ("dgrad_up", H, 2 * I),
              "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H)}
-CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE")
+CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS")
 
 
 def merge_step_variants(result_files, table_path: Path) -> list[dict]:
@@ -560,6 +571,70 @@ def merge_step_variants(result_files, table_path: Path) -> list[dict]:
                         if (c["kernel"], c["N"], c["K"], c["E"], c["slots"]) not in keys] + written
     table_path.write_text(json.dumps(table, indent=1) + "\n")
     return written
+
+
+# --- where a whole call's time goes --------------------------------------------------------------------------------
+
+PROFILE_POINTS = (("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 4096), ("deepseek-v3", 4096))
+
+
+def profile_calls(results):
+    """The public torch call (``moe_torch.experts_forward``, implementation="triton"), forward at inference and
+    forward+backward, timed as the benchmark times it (CUDA events around one call, and 20 calls back to back) and
+    under torch.profiler: each kernel's mean time per call, so the sum of the kernels can be set against the call."""
+    import torch
+    import moe_torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(shape, T, mode):
+        (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+        leaves = [t.detach().requires_grad_(mode == "fwd+bwd") for t in (x, w, gate_up, down)]
+
+        def call():
+            if mode == "fwd":
+                with torch.no_grad():
+                    return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="triton",
+                                                     validate=False)
+            out = moe_torch.experts_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3],
+                                            implementation="triton", validate=False)
+            return torch.autograd.grad(out, leaves, dout)
+
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        single = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            single.append(start.elapsed_time(end))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            call()
+        end.record()
+        end.synchronize()
+        stream = start.elapsed_time(end) / 20
+        calls = 10
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        kernels = {}
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA" and ev.count:
+                kernels[ev.key] = {"ms_per_call": round(ev.device_time_total / calls / 1e3, 4),
+                                   "launches_per_call": ev.count / calls}
+        total = sum(v["ms_per_call"] for v in kernels.values())
+        return {"call_ms_median": round(float(np.median(single)), 4), "stream_ms": round(stream, 4),
+                "kernels_ms": round(total, 4),
+                "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms_per_call"]))}
+
+    for (shape, T), mode in itertools.product(PROFILE_POINTS, ("fwd", "fwd+bwd")):
+        record(results, "profile", f"{shape} T={T} {mode}", lambda shape=shape, T=T, mode=mode: run(shape, T, mode))
+    torch.cuda.empty_cache()
 
 
 # --- JAX training at large token counts -------------------------------------------------------------------------
@@ -599,6 +674,65 @@ def large_jax_training(results, tokens=(16384, 65536)):
                     "finite": bool(all(jnp.isfinite(v).all() for v in jax.tree_util.tree_leaves(out)))}
 
         record(results, "jax-large-training", f"qwen3-30b-a3b T={T} fwd+bwd", run)
+
+
+# --- short tiles for the experts' last blocks -------------------------------------------------------------------
+
+def _last_tile_height(count, BM, short_tails):
+    rows, height = count % BM or BM, BM
+    while short_tails and height // 2 >= rows:
+        height, short_tails = height // 2, short_tails - 1
+    return height
+
+
+def tail_checks(results):
+    """SHORT_TAILS on the GPU, where the 16- and 32-row tiles multiply with mma.sync and the 64- and 128-row ones
+    with wgmma: a case whose experts end in blocks of every height, forward (training and inference) and every
+    gradient with BM 128 and SHORT_TAILS 3, against the float64 reference within the tolerance table, torch and
+    JAX bit-identical, and whether the bits equal those of full 128-row tiles."""
+    import ml_dtypes
+    from moe_shared import reference
+    rng = np.random.default_rng(31)
+    T, H, I, E, k = 700, 256, 128, 8, 2
+    arrays, grad_output = random_case(31, T=T, H=H, I=I, E=E, k=k, bias=True)
+    p = np.array([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.04, 0.01])
+    arrays["top_k_index"] = np.stack([rng.choice(E, size=k, replace=False, p=p) for _ in range(T)]).astype(np.int32)
+    rounded = {n: a if n == "top_k_index" else a.astype(ml_dtypes.bfloat16).astype(np.float64)
+               for n, a in arrays.items()}
+    grad_output = grad_output.astype(ml_dtypes.bfloat16).astype(np.float64)
+    named = {n: rounded[n] for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")}
+    biases = {"gate_up_bias": rounded["gate_up_bias"], "down_bias": rounded["down_bias"]}
+    expected = {"out": reference.experts_forward(**named, **biases)}
+    expected |= {f"grad_{n}": g for n, g in
+                 reference.experts_backward(**named, grad_output=grad_output, **biases).items()}
+    case = type("Case", (), {"inputs": rounded, "grad_output": grad_output, "dtype": "bfloat16",
+                             "activation": "silu", "expected": expected})
+    counts = np.bincount(arrays["top_k_index"].ravel(), minlength=E)
+    heights = sorted({_last_tile_height(int(c), 128, 3) for c in counts if c})
+    shapes = (("gate_up", I, H), ("down", H, I), ("dgrad_down", I, H), ("dgrad_up", H, 2 * I))
+
+    def configure(tails):
+        plans.OVERRIDES.clear()
+        for kernel, N, K in shapes:
+            plans.OVERRIDES[kernel, N, K, E] = C(128, 64, 64, 8, 3, 8, SHORT_TAILS=tails)
+        plans.clear_caches()
+
+    def run():
+        configure(0)
+        full = torch_vector(case)
+        configure(3)
+        detail = check_vector(case)
+        short = torch_vector(case)
+        detail["same_bits_as_full_tiles"] = {n: bool(np.array_equal(short[n], full[n])) for n in full}
+        detail["last_block_heights"] = heights
+        detail["counts"] = counts.tolist()
+        return detail
+
+    try:
+        record(results, "short-tails", "BM 128, SHORT_TAILS 3 vs the reference, torch vs JAX, vs full tiles", run)
+    finally:
+        plans.OVERRIDES.clear()
+        plans.clear_caches()
 
 
 # --- weight tiles through tensor descriptors ------------------------------------------------------------------
@@ -697,8 +831,12 @@ def main():
         graph_checks(results)
     if "descriptors" in parts:
         descriptor_checks(results)
+    if "tails" in parts:
+        tail_checks(results)
     if "large" in parts:
         large_jax_training(results)
+    if "profile" in parts:
+        profile_calls(results)
     if "steps" in parts:
         step_timings(results, tuple(args.variant_kinds.split(",")))
     if "tune" in parts:
@@ -719,9 +857,16 @@ def main():
     for r in results:
         if not r["ok"]:
             print("FAIL", r["kind"], r["name"], r["detail"][:400])
+        elif r["kind"] == "profile":
+            d = r["detail"]
+            print(r["name"], "call", d["call_ms_median"], "stream", d["stream_ms"], "kernels", d["kernels_ms"])
+            for name, v in list(d["kernels"].items())[:8]:
+                print("   ", v["ms_per_call"], v["launches_per_call"], name[:90])
         elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training",
                            "descriptors"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
+        elif r["kind"] == "short-tails":
+            print("OK", r["kind"], r["name"], {n: v for n, v in r["detail"].items() if "inference" not in n})
         elif r["kind"] in ("steps", "step-variants"):
             print(r["name"])
             for t in r["detail"]:

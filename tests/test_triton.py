@@ -199,6 +199,46 @@ def test_grouped_row_block_order_gives_the_same_bits(group_m):
         np.testing.assert_array_equal(grouped[name], plain[name], err_msg=name)
 
 
+def test_short_tail_tiles_give_the_same_bits():
+    """SHORT_TAILS runs an expert's last block as a 32- or 16-row tile where its rows fit (BM 64): every row is
+    still computed once, in the same K steps, so forward and backward give the same bits as 64-row tiles."""
+    rng = np.random.default_rng(12)
+    arrays, grad_output = random_case(12, T=73, H=32, I=16, E=5, k=2, bias=True)
+    weights = np.array([0.48, 0.17, 0.07, 0.28, 0.0])
+    idx = np.stack([rng.choice(5, size=2, replace=False, p=weights) for _ in range(73)]).astype(np.int32)
+    idx[3, 1] = -1
+    arrays["top_k_index"] = idx
+    counts = np.bincount(idx[idx >= 0], minlength=5)
+    tails = {int(c % 64 or 64) for c in counts if c}
+    assert {bool(t <= 16) + bool(t <= 32) for t in tails} == {0, 1, 2}, counts  # every tile height is used
+    shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
+    runs = {}
+    try:
+        for tails_allowed in (0, 2):
+            for kernel, N, K in shapes:
+                plans.OVERRIDES[kernel, N, K, 5] = plans.TileConfig(BM=64, BN=16, BK=16, SHORT_TAILS=tails_allowed)
+            plans.clear_caches()
+            runs[tails_allowed] = (torch_run(arrays, "bfloat16", grad_output),
+                                   torch_run(arrays, "bfloat16", training=False))
+            ts = to_torch(arrays, "bfloat16")
+            problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
+                                                      ts["down_proj"], ts["gate_up_bias"], ts["down_bias"], "silu")
+            steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
+            assert [s.constants["SHORT_TAILS"] for s in steps if s.kernel == "grouped_gemm_kernel"] == [
+                tails_allowed] * 4
+    finally:
+        plans.OVERRIDES.clear()
+        plans.clear_caches()
+    for plain, short in zip(runs[0], runs[2]):
+        for name in plain:
+            np.testing.assert_array_equal(short[name], plain[name], err_msg=name)
+
+
+def test_short_tails_keep_tiles_of_at_least_16_rows():
+    assert [plans._short_tails(plans.TileConfig(BM=bm, SHORT_TAILS=3)) for bm in (16, 32, 64, 128)] == [0, 1, 2, 3]
+    assert plans._short_tails(plans.TileConfig(BM=128, SHORT_TAILS=1)) == 1
+
+
 def test_backward_gemms_read_sorted_rows():
     """The backward gathers w * dout and x into sorted order once (gather_rows_kernel), so its GEMMs load plain
     row tiles: no gather or scale inside their loops."""

@@ -132,7 +132,7 @@ def grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_ROWS: tl.constexpr = 0, B_COLS: tl.constexpr = 0,
-    WARP_SPECIALIZE: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False, SHORT_TAILS: tl.constexpr = 0,
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
@@ -149,7 +149,9 @@ def grouped_gemm_kernel(
     1; a row per n), B_N_ROWS with n contiguous (stride_bn == 1; a row per k); B_POINTERS loads them through
     masked pointers. A descriptor tile may run past N into the next rows or columns: those outputs are never
     stored; past the array it reads zeros. ``WARP_SPECIALIZE`` asks triton to split the K loop into loading and
-    multiplying warps.
+    multiplying warps. ``SHORT_TAILS`` = L lets an expert's last block run a shorter tile, BM >> l rows for the
+    smallest l <= L that holds its rows, so its padding rows cost no multiplies (an expert with 130 rows takes a
+    128-row tile and a 16-row one with L = 3, not two 128-row tiles).
     """
     pid = tl.program_id(0)
     num_n: tl.constexpr = (N + BN - 1) // BN
@@ -162,6 +164,32 @@ def grouped_gemm_kernel(
     e, row0, count, start = _locate_block(counts_ptr, starts_ptr, block, E, EB, BM)
     if e >= E:
         return
+    rows_left = count - row0
+    for level in tl.static_range(SHORT_TAILS + 1):
+        # tile height BM >> level takes rows_left in (BM >> (level + 1), BM >> level]; the last level from 1 row,
+        # level 0 any larger block
+        fits_above = rows_left > ((BM >> (level + 1)) if level < SHORT_TAILS else 0)
+        fits_below = (rows_left <= (BM >> level)) if level > 0 else True
+        if fits_above & fits_below:
+            _grouped_gemm_tile(
+                a_ptr, b_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, c_ptr, aux_ptr, e, row0, count, start,
+                n_tile, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm,
+                GATE_OFFSET, A_BY_TOKEN, HAS_BIAS, EPILOGUE, ACTIVATION, STORE_PREACT, C_BY_SLOT, ACCUMULATE,
+                BM >> level, BN, BK, DOT_PRECISION, EVEN_K, B_DESC, B_ROWS, B_COLS, WARP_SPECIALIZE)
+
+
+@triton.jit
+def _grouped_gemm_tile(
+    a_ptr, b_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, c_ptr, aux_ptr, e, row0, count, start, n_tile,
+    E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+    stride_am: tl.constexpr, stride_be: tl.constexpr, stride_bk: tl.constexpr, stride_bn: tl.constexpr,
+    stride_bias_e: tl.constexpr, stride_cm: tl.constexpr, GATE_OFFSET: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    B_DESC: tl.constexpr, B_ROWS: tl.constexpr, B_COLS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """One [BM, BN] output tile of ``grouped_gemm_kernel``: rows row0 .. row0 + BM of expert e, N tile n_tile."""
     rows = row0 + tl.arange(0, BM)
     live = rows < count
     srow = start + rows

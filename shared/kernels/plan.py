@@ -93,6 +93,7 @@ class TileConfig:
     TMA: bool = False  # through tensor descriptors where the binding allows it: grouped GEMMs the weight tiles,
     # wgrad the row tiles
     WARP_SPECIALIZE: bool = False  # grouped GEMMs: loading and multiplying warps apart (triton's tl.range option)
+    SHORT_TAILS: int = 0  # grouped GEMMs: an expert's last block may run a BM/2, ..., BM/2**SHORT_TAILS-row tile
 
 
 def _pow2(n: int) -> int:
@@ -235,6 +236,14 @@ def _b_descriptor(problem: Problem, cfg: TileConfig, b_strides: tuple[int, int, 
     return dict(B_DESC=code, B_ROWS=e // row, B_COLS=cols)
 
 
+_MIN_DOT_ROWS = 16  # the smallest tile height tl.dot takes
+
+
+def _short_tails(cfg: TileConfig) -> int:
+    """The config's SHORT_TAILS, cut so that the shortest tile keeps at least 16 rows."""
+    return max(0, min(cfg.SHORT_TAILS, (cfg.BM // _MIN_DOT_ROWS).bit_length() - 1))
+
+
 def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_strides: tuple[int, int, int],
           out: Buffer, stride_am: int, stride_cm: int, a_by_token=False, bias=("x", 0, False),
           epilogue=PLAIN, preact_out: Buffer | None = None, preact_in="x", c_by_slot=False,
@@ -252,7 +261,7 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E),
         DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
         ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM), WARP_SPECIALIZE=cfg.WARP_SPECIALIZE,
-        **_b_descriptor(problem, cfg, b_strides, K))
+        SHORT_TAILS=_short_tails(cfg), **_b_descriptor(problem, cfg, b_strides, K))
     return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
                 (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
                 (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
