@@ -580,8 +580,8 @@ PROFILE_POINTS = (("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 4096), ("deepseek-v3
 
 def profile_calls(results):
     """The public torch call (``moe_torch.experts_forward``, implementation="triton"), forward at inference and
-    forward+backward, timed as the benchmark times it (CUDA events around one call, and 20 calls back to back) and
-    under torch.profiler: each kernel's mean time per call, so the sum of the kernels can be set against the call."""
+    forward+backward, timed as the benchmark times it (CUDA events around one call, and 20 calls back to back, with
+    the host's time to issue each) and under torch.profiler: each kernel's mean time per call, so the sum of the kernels can be set against the call."""
     import torch
     import moe_torch
     from torch.profiler import ProfilerActivity, profile
@@ -612,8 +612,11 @@ def profile_calls(results):
             single.append(start.elapsed_time(end))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        host = []
         for _ in range(20):
+            t0 = time.perf_counter()
             call()
+            host.append((time.perf_counter() - t0) * 1e3)
         end.record()
         end.synchronize()
         stream = start.elapsed_time(end) / 20
@@ -629,6 +632,7 @@ def profile_calls(results):
                                    "launches_per_call": ev.count / calls}
         total = sum(v["ms_per_call"] for v in kernels.values())
         return {"call_ms_median": round(float(np.median(single)), 4), "stream_ms": round(stream, 4),
+                "host_ms_median": round(float(np.median(host)), 4),
                 "kernels_ms": round(total, 4),
                 "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms_per_call"]))}
 
@@ -859,7 +863,8 @@ def main():
             print("FAIL", r["kind"], r["name"], r["detail"][:400])
         elif r["kind"] == "profile":
             d = r["detail"]
-            print(r["name"], "call", d["call_ms_median"], "stream", d["stream_ms"], "kernels", d["kernels_ms"])
+            print(r["name"], "call", d["call_ms_median"], "stream", d["stream_ms"], "host", d["host_ms_median"],
+                  "kernels", d["kernels_ms"])
             for name, v in list(d["kernels"].items())[:8]:
                 print("   ", v["ms_per_call"], v["launches_per_call"], name[:90])
         elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training",
