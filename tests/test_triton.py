@@ -293,6 +293,19 @@ def test_strided_inputs_give_the_same_bits_as_contiguous_ones():
         torch.testing.assert_close(results[1][name], plain, rtol=0, atol=0, msg=name)
 
 
+def test_backward_fills_no_zero_gradients_for_the_residuals():
+    """The training op's residual outputs (pre-activations, activations, per-slot outputs) are not the user's: the
+    backward gets no zero-filled gradients for them (three bf16 fills of [S, 2I], [S, I] and [S, H] per call)."""
+    arrays, grad_output = random_case(13, T=40, H=32, I=16, E=4, k=2, bias=False)
+    ts = to_torch(arrays, "bfloat16", requires_grad=True)
+    out = torch_triton_backend.experts_forward(**ts)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(torch.from_numpy(np.asarray(grad_output, np.float32)).to(torch.bfloat16))
+    ops = [e.name for e in prof.events()]
+    assert "moe_torch::triton_experts_backward" in ops
+    assert not [op for op in ops if op in ("aten::zeros", "aten::zeros_like", "aten::fill_", "aten::zero_")], ops
+
+
 def test_torch_custom_ops_trace_fullgraph_with_their_fake_implementations():
     """torch.compile(fullgraph=True) through the custom ops' fake implementations and autograd registration
     (aot_eager: the graph is traced as for inductor, then run eagerly on the interpreter)."""

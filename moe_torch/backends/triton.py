@@ -193,6 +193,8 @@ def _setup_context(ctx, inputs, output):
     x, ids, w, gate_up, down, gate_up_bias, down_bias, activation = inputs
     ctx.activation = activation
     ctx.has_bias = (gate_up_bias is not None, down_bias is not None)
+    # the residual outputs never reach the user: no zero-filled gradients for them ([S, 2I], [S, I], [S, H])
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, ids, w, gate_up, down, gate_up_bias, down_bias, *output[1:])
 
 
