@@ -639,6 +639,60 @@ def profile_calls(results):
     for (shape, T), mode in itertools.product(PROFILE_POINTS, ("fwd", "fwd+bwd")):
         record(results, "profile", f"{shape} T={T} {mode}", lambda shape=shape, T=T, mode=mode: run(shape, T, mode))
     torch.cuda.empty_cache()
+    for (shape, T), mode in itertools.product(PROFILE_POINTS, ("fwd", "fwd+bwd")):
+        record(results, "jax-profile", f"{shape} T={T} {mode}",
+               lambda shape=shape, T=T, mode=mode: jax_call_times(shape, T, mode))
+    record(results, "jax-profile", "a one-element jitted add (JAX's own latency per call)", jax_call_times)
+
+
+def _clock_jax(call, jax):
+    """Single calls (wall, to the result being ready), 20 back to back, and the time to issue one."""
+    for _ in range(3):
+        jax.block_until_ready(call())
+    single = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        single.append((time.perf_counter() - t0) * 1e3)
+    host, outs = [], []
+    t0 = time.perf_counter()
+    for _ in range(20):
+        t1 = time.perf_counter()
+        outs.append(call())
+        host.append((time.perf_counter() - t1) * 1e3)
+    jax.block_until_ready(outs)
+    stream = (time.perf_counter() - t0) * 1e3 / 20
+    return {"call_ms_median": round(float(np.median(single)), 4), "stream_ms": round(stream, 4),
+            "host_ms_median": round(float(np.median(host)), 4)}
+
+
+def jax_call_times(shape=None, T=None, mode=None):
+    """The JAX call of the benchmark (moe_jax.experts_forward, implementation="triton", jitted; fwd+bwd returns
+    the output and waits for the whole call) timed on the host, through ``jax.jit`` and through the compiled
+    executable the benchmark calls; without a shape, a one-element add: JAX's own time per call."""
+    import jax
+    import jax.numpy as jnp
+    import moe_jax
+    import torch
+    if shape is None:
+        one, add = jnp.ones((1,), jnp.float32), jax.jit(lambda a: a + 1)
+        return _clock_jax(lambda: add(one), jax)
+    (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+    arrays = [jax.dlpack.from_dlpack(t.contiguous()) for t in (x, idx.to(torch.int32), w, gate_up, down, dout)]
+
+    def forward(x, idx, w, gate_up, down):
+        return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+
+    def forward_backward(x, idx, w, gate_up, down, g):
+        out, vjp = jax.vjp(lambda x, w, gate_up, down: forward(x, idx, w, gate_up, down), x, w, gate_up, down)
+        return out, vjp(g)
+
+    fn, args = (forward, arrays[:5]) if mode == "fwd" else (forward_backward, arrays)
+    jitted = jax.jit(fn)
+    executable = jitted.lower(*args).compile()
+    pick = (lambda r: r) if mode == "fwd" else (lambda r: r[0])
+    return {"jit": _clock_jax(lambda: pick(jitted(*args)), jax),
+            "executable": _clock_jax(lambda: pick(executable(*args)), jax)}
 
 
 # --- JAX training at large token counts -------------------------------------------------------------------------
@@ -870,6 +924,8 @@ def main():
         elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training",
                            "descriptors"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
+        elif r["kind"] == "jax-profile":
+            print("jax", r["name"], r["detail"])
         elif r["kind"] == "short-tails":
             print("OK", r["kind"], r["name"], {n: v for n, v in r["detail"].items() if "inference" not in n})
         elif r["kind"] in ("steps", "step-variants"):

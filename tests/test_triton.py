@@ -293,17 +293,43 @@ def test_strided_inputs_give_the_same_bits_as_contiguous_ones():
         torch.testing.assert_close(results[1][name], plain, rtol=0, atol=0, msg=name)
 
 
-def test_backward_fills_no_zero_gradients_for_the_residuals():
-    """The training op's residual outputs (pre-activations, activations, per-slot outputs) are not the user's: the
-    backward gets no zero-filled gradients for them (three bf16 fills of [S, 2I], [S, I] and [S, H] per call)."""
+def _train_through(path, ts):
+    """The training output through the eager autograd.Function (what eager experts_forward runs) or the custom
+    ops (what torch.compile traces)."""
+    if path == "eager":
+        return torch_triton_backend.experts_forward(**ts)
+    args = [ts.get(n) for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj",
+                                "gate_up_bias", "down_bias")]
+    return torch_triton_backend.triton_experts_train(*args, "silu")[0]
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_backward_fills_no_zero_gradients_for_the_residuals(path):
+    """The training forward's residuals (pre-activations, activations, per-slot outputs) are not the user's: the
+    backward gets no zero-filled gradients for them (three bf16 fills of [S, 2I], [S, I] and [S, H] per call).
+    Eager mode runs without the op dispatch."""
     arrays, grad_output = random_case(13, T=40, H=32, I=16, E=4, k=2, bias=False)
     ts = to_torch(arrays, "bfloat16", requires_grad=True)
-    out = torch_triton_backend.experts_forward(**ts)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = _train_through(path, ts)
         out.backward(torch.from_numpy(np.asarray(grad_output, np.float32)).to(torch.bfloat16))
     ops = [e.name for e in prof.events()]
-    assert "moe_torch::triton_experts_backward" in ops
+    through_ops = {"moe_torch::triton_experts_train", "moe_torch::triton_experts_backward"} <= set(ops)
+    assert through_ops == (path == "op")
     assert not [op for op in ops if op in ("aten::zeros", "aten::zeros_like", "aten::fill_", "aten::zero_")], ops
+
+
+def test_eager_training_gives_the_bits_of_the_custom_ops():
+    arrays, grad_output = random_case(14, T=40, H=32, I=16, E=4, k=2, bias=True, empty_fraction=0.1)
+    results = []
+    for path in ("eager", "op"):
+        ts = to_torch(arrays, "bfloat16", requires_grad=True)
+        out = _train_through(path, ts)
+        out.backward(torch.from_numpy(np.asarray(grad_output, np.float32)).to(torch.bfloat16))
+        results.append({"out": out.detach()} | {n: t.grad for n, t in ts.items() if n in DIFF_ARGS})
+    assert results[0].keys() == results[1].keys() and len(results[0]) == 7
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
 
 
 def test_torch_custom_ops_trace_fullgraph_with_their_fake_implementations():
