@@ -10,7 +10,8 @@ processes, which also compile in parallel). ``graphs``: CUDA-graph capture and r
 ``steps``: each step of the forward and backward plans timed alone at model shapes, and the GEMM steps under
 variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against pointer loads, torch and JAX.
 ``tails``: short tiles for the experts' last blocks (SHORT_TAILS) against the reference, torch vs JAX.
-``profile``: the public call timed as the benchmark does and under torch.profiler (each kernel's time per call).
+``profile``: the public call timed as the benchmark does and under torch.profiler (each kernel's time per call);
+``jax-profile``: the JAX call timed on the host (single, back to back, issue time) and its HLO op counts.
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
 ``--merge-steps RESULTS...`` (no GPU): the fastest variant of each step into the tile-config table.
@@ -408,7 +409,9 @@ def tune(results, configs_out: Path):
 
 # --- per-step timings and variants ------------------------------------------------------------------------------
 
-STEP_POINTS = (("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 4096), ("deepseek-v3", 4096))
+STEP_POINTS = (("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 4096), ("deepseek-v3", 4096),
+               ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 1), ("qwen3-30b-a3b", 8))
+DECODE_STEP_TOKENS = 8  # points up to this many tokens time the decode plan; the others the forward and backward
 STEP_VARIANTS = [C(128, 128, 64, 8, 3, 1), C(128, 128, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 8),
                  C(128, 256, 64, 8, 3, 8), C(128, 64, 64, 4, 4, 8), C(128, 128, 32, 8, 5, 8), C(64, 128, 64, 4, 4, 8),
                  # the weight tiles through tensor descriptors (TMA) instead of masked pointers
@@ -435,12 +438,18 @@ WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 
 # slower than one program per tile for every step and shape (tests/device_results/nvidia-h200-triton-steps-wgrad-
 # persistent.json), so the kernel has no such mode.
 VARIANT_TOKENS = 4096
-# kind -> (kernel, the candidates given the step's own config, the token counts it runs at: None for every point)
+# GEMV tiles of the decode kernels (BM unused): wider loads and more warps keep more bytes in flight per SM
+DECODE_STEP_VARIANTS = [C(1, 16, 256, 4, 2), C(1, 32, 256, 4, 2), C(1, 16, 512, 4, 2), C(1, 16, 512, 8, 2),
+                        C(1, 32, 512, 8, 2), C(1, 16, 1024, 8, 2), C(1, 8, 1024, 8, 2), C(1, 8, 512, 4, 2),
+                        C(1, 32, 256, 8, 3), C(1, 64, 256, 8, 2), C(1, 16, 256, 4, 3), C(1, 8, 2048, 8, 2)]
+# kind -> (kernels, the candidates given the step's own config, the token counts it runs at: None for every point)
 VARIANTS = {
-    "gemm": ("grouped_gemm_kernel", lambda own: STEP_VARIANTS, (VARIANT_TOKENS,)),
-    "wgrad": ("grouped_wgrad_kernel", lambda own: WGRAD_STEP_VARIANTS, (VARIANT_TOKENS,)),
+    "gemm": (("grouped_gemm_kernel",), lambda own: STEP_VARIANTS, (VARIANT_TOKENS,)),
+    "wgrad": (("grouped_wgrad_kernel",), lambda own: WGRAD_STEP_VARIANTS, (VARIANT_TOKENS,)),
     # the step's own config with shorter tiles for the experts' last blocks (0: as it is, timed in the same run)
-    "tails": ("grouped_gemm_kernel", lambda own: [replace(own, SHORT_TAILS=n) for n in range(4)], None),
+    "tails": (("grouped_gemm_kernel",), lambda own: [replace(own, SHORT_TAILS=n) for n in range(4)], None),
+    "decode": (("decode_gate_up_kernel", "decode_down_combine_kernel"), lambda own: [own, *DECODE_STEP_VARIANTS],
+               None),
 }
 
 
@@ -449,6 +458,10 @@ def _labelled_steps(problem, which):
     if which == "bwd":
         plan = plans.backward_plan(problem)
         labels = iter(("dgrad_down", "dgrad_up", "wgrad_down", "wgrad_gate_up"))
+    elif which == "decode":
+        plan = _forward_with_decode_limit(problem, 1 << 30)
+        return plan, [({"decode_gate_up_kernel": "decode_gate_up", "decode_down_combine_kernel": "decode_down"}[
+            s.kernel], s) for s in plan.steps]
     else:
         plan = _forward_with_decode_limit(problem, 0)
         labels = iter(("gate_up", "down"))
@@ -465,9 +478,10 @@ def _step_flops(step, S):
     return 0
 
 
-def step_timings(results, variant_kinds=("gemm", "wgrad")):
-    """Each step of the inference forward and of the backward timed alone (do_bench median), then the GEMM steps
-    under STEP_VARIANTS: where the time goes, and which tiles to take."""
+def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None):
+    """Each step of the inference forward and of the backward (at decode sizes: of the decode plan) timed alone
+    (do_bench median), then the GEMM or GEMV steps under the variants of ``variant_kinds``: where the time goes,
+    and which tiles to take. ``tokens``: only the points of these token counts."""
     import torch
     from triton.testing import do_bench
     import triton
@@ -485,14 +499,20 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
                                         **step.constants)
 
     for shape, T in STEP_POINTS:
+        if tokens is not None and T not in tokens:
+            continue
+        H, I = SHAPES[shape][:2]
         (gate_up, down), (x, idx, w, dout) = _point(shape, T)
         problem = backend.problem_of(x, idx, gate_up, down, None, None, "silu")
         base = backend._inputs(x, idx, w, gate_up, down, None, None)
         training = backend.run_plan(plans.forward_plan(problem, training=True), dict(base))
         routed = int(training["starts"][-1])
-        envs = {"fwd": backend.run_plan(_forward_with_decode_limit(problem, 0), dict(base)),
-                "bwd": backend.run_plan(plans.backward_plan(problem), dict(training) | {"dout": dout})}
-        for which in ("fwd", "bwd"):
+        if T <= DECODE_STEP_TOKENS:
+            envs = {"decode": backend.run_plan(_forward_with_decode_limit(problem, 1 << 30), dict(base))}
+        else:
+            envs = {"fwd": backend.run_plan(_forward_with_decode_limit(problem, 0), dict(base)),
+                    "bwd": backend.run_plan(plans.backward_plan(problem), dict(training) | {"dout": dout})}
+        for which in envs:
             def measure(label, step, env=envs[which]):
                 ms = do_bench(launcher(step, env), warmup=5, rep=40)
                 flops = _step_flops(step, routed)
@@ -507,18 +527,17 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
             record(results, "steps", f"{shape} T={T} {which}",
                    lambda lab=labelled, m=measure: [m(label, step) for label, step in lab])
             for (label, step), kind in itertools.product(labelled, variant_kinds):
-                kernel, candidates_of, tokens = VARIANTS[kind]
-                if step.kernel != kernel or (tokens is not None and T not in tokens):
+                kernels_of_kind, candidates_of, kind_tokens = VARIANTS[kind]
+                if step.kernel not in kernels_of_kind or (kind_tokens is not None and T not in kind_tokens):
                     continue
-                c = step.constants
-                key = "wgrad" if kind == "wgrad" else label
-                candidates = candidates_of(plans.tile_config(problem.device, key, c["N"], c["K"], c["E"], problem.S))
+                key, N, K = STEP_KEYS[label](H, I)
+                candidates = candidates_of(plans.tile_config(problem.device, key, N, K, problem.E, problem.S))
 
-                def variants(label=label, key=key, c=c, m=measure, candidates=candidates):
+                def variants(label=label, key=(key, N, K, problem.E), m=measure, candidates=candidates):
                     out = []
                     for v in candidates:
                         plans.OVERRIDES.clear()
-                        plans.OVERRIDES[key, c["N"], c["K"], c["E"]] = v
+                        plans.OVERRIDES[key] = v
                         plans.clear_caches()
                         step = dict(_labelled_steps(problem, which)[1])[label]
                         try:
@@ -536,7 +555,8 @@ def step_timings(results, variant_kinds=("gemm", "wgrad")):
 # the (kernel, N, K) of each labelled GEMM step of a shape (H, I): the keys of the tile-config table
 STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("down", H, I),
              "dgrad_down": lambda H, I: ("dgrad_down", I, H), "dgrad_up": lambda H, I: ("dgrad_up", H, 2 * I),
-             "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H)}
+             "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H),
+             "decode_gate_up": lambda H, I: ("decode", I, H), "decode_down": lambda H, I: ("decode", H, I)}
 CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS")
 
 
@@ -639,6 +659,10 @@ def profile_calls(results):
     for (shape, T), mode in itertools.product(PROFILE_POINTS, ("fwd", "fwd+bwd")):
         record(results, "profile", f"{shape} T={T} {mode}", lambda shape=shape, T=T, mode=mode: run(shape, T, mode))
     torch.cuda.empty_cache()
+
+
+def jax_profile_calls(results):
+    """The JAX calls of ``profile_calls``, timed on the host (``jax_call_times``), under this process's XLA_FLAGS."""
     for (shape, T), mode in itertools.product(PROFILE_POINTS, ("fwd", "fwd+bwd")):
         record(results, "jax-profile", f"{shape} T={T} {mode}",
                lambda shape=shape, T=T, mode=mode: jax_call_times(shape, T, mode))
@@ -691,8 +715,11 @@ def jax_call_times(shape=None, T=None, mode=None):
     jitted = jax.jit(fn)
     executable = jitted.lower(*args).compile()
     pick = (lambda r: r) if mode == "fwd" else (lambda r: r[0])
+    hlo = executable.as_text()
     return {"jit": _clock_jax(lambda: pick(jitted(*args)), jax),
-            "executable": _clock_jax(lambda: pick(executable(*args)), jax)}
+            "executable": _clock_jax(lambda: pick(executable(*args)), jax),
+            "hlo_ops": {op: hlo.count(f" {op}(") for op in ("custom-call", "fusion", "copy", "command_buffer")},
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 # --- JAX training at large token counts -------------------------------------------------------------------------
@@ -861,6 +888,7 @@ def main():
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--configs-out", type=Path, default=Path("/tmp/moe-configs"))
     p.add_argument("--variant-kinds", default="gemm,wgrad", help="steps part: which GEMM kinds get variants")
+    p.add_argument("--step-tokens", help="steps part: only the points of these token counts (comma-separated)")
     p.add_argument("--merge-steps", nargs="+", type=Path, metavar="RESULTS",
                    help="no GPU: write the fastest step variants of these --parts steps results into --table")
     p.add_argument("--table", type=Path, default=Path(plans.CONFIG_DIR) / "nvidia-h200.json")
@@ -895,8 +923,11 @@ def main():
         large_jax_training(results)
     if "profile" in parts:
         profile_calls(results)
+    if "jax-profile" in parts:
+        jax_profile_calls(results)
     if "steps" in parts:
-        step_timings(results, tuple(args.variant_kinds.split(",")))
+        step_timings(results, tuple(args.variant_kinds.split(",")),
+                     args.step_tokens and {int(t) for t in args.step_tokens.split(",")})
     if "tune" in parts:
         t0 = time.perf_counter()
         results += parallel("tune", args.workers, args.out)
