@@ -11,7 +11,7 @@ processes, which also compile in parallel). ``graphs``: CUDA-graph capture and r
 variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against pointer loads, torch and JAX.
 ``tails``: short tiles for the experts' last blocks (SHORT_TAILS) against the reference, torch vs JAX.
 ``profile``: the public call timed as the benchmark does and under torch.profiler (each kernel's time per call);
-``jax-profile``: the JAX call timed on the host (single, back to back, issue time) and its HLO op counts.
+``host``: where the host's time per torch call goes (cProfile). ``jax-profile``: the JAX call timed on the host (single, back to back, issue time) and its HLO op counts.
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
 ``--merge-steps RESULTS...`` (no GPU): the fastest variant of each step into the tile-config table.
@@ -661,6 +661,47 @@ def profile_calls(results):
     torch.cuda.empty_cache()
 
 
+def host_profile(results, points=(("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("qwen3-30b-a3b", 4096)), calls=300):
+    """Where the host's time per torch call goes (inference forward, eager): cProfile over ``calls`` calls, the
+    functions with the most own time, per call."""
+    import cProfile
+    import pstats
+    import torch
+    import moe_torch
+
+    def run(shape, T):
+        (gate_up, down), (x, idx, w, _) = _point(shape, T)
+
+        def call():
+            with torch.no_grad():
+                return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host = (time.perf_counter() - t0) / calls * 1e3
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(profiler).stats
+        rows = sorted(((v[2], v[3], v[0], f"{Path(k[0]).name}:{k[1]}({k[2]})") for k, v in stats.items()),
+                      reverse=True)[:25]
+        return {"host_ms_per_call": round(host, 4),
+                "top_own_time_us_per_call": [{"fn": name, "own_us": round(own / calls * 1e6, 2),
+                                              "cum_us": round(cum / calls * 1e6, 2), "calls": n / calls}
+                                             for own, cum, n, name in rows]}
+
+    for shape, T in points:
+        record(results, "host-profile", f"{shape} T={T} fwd", lambda shape=shape, T=T: run(shape, T))
+
+
 def jax_profile_calls(results):
     """The JAX calls of ``profile_calls``, timed on the host (``jax_call_times``), under this process's XLA_FLAGS."""
     for (shape, T), mode in itertools.product(PROFILE_POINTS, ("fwd", "fwd+bwd")):
@@ -925,6 +966,8 @@ def main():
         profile_calls(results)
     if "jax-profile" in parts:
         jax_profile_calls(results)
+    if "host" in parts:
+        host_profile(results)
     if "steps" in parts:
         step_timings(results, tuple(args.variant_kinds.split(",")),
                      args.step_tokens and {int(t) for t in args.step_tokens.split(",")})
@@ -955,6 +998,10 @@ def main():
         elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training",
                            "descriptors"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
+        elif r["kind"] == "host-profile":
+            print(r["name"], "host ms", r["detail"]["host_ms_per_call"])
+            for row in r["detail"]["top_own_time_us_per_call"][:18]:
+                print("   ", row["own_us"], row["cum_us"], row["calls"], row["fn"])
         elif r["kind"] == "jax-profile":
             print("jax", r["name"], r["detail"])
         elif r["kind"] == "short-tails":
