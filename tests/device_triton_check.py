@@ -11,7 +11,8 @@ processes, which also compile in parallel). ``graphs``: CUDA-graph capture and r
 variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against pointer loads, torch and JAX.
 ``tails``: short tiles for the experts' last blocks (SHORT_TAILS) against the reference, torch vs JAX.
 ``profile``: the public call timed as the benchmark does and under torch.profiler (each kernel's time per call);
-``host``: where the host's time per torch call goes (cProfile). ``jax-profile``: the JAX call timed on the host (single, back to back, issue time) and its HLO op counts.
+``host``: where the host's time per torch call goes (cProfile). ``decode-threshold``: the slot count up to which
+the decode kernels beat the sorted path, per shape, with the current tiles. ``jax-profile``: the JAX call timed on the host (single, back to back, issue time) and its HLO op counts.
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
 ``--merge-steps RESULTS...`` (no GPU): the fastest variant of each step into the tile-config table.
@@ -348,6 +349,23 @@ def tune_worker(index, count, out):
                                       "detail": {"compiled": sum(done), "failed": done.count(False)}}]))
 
 
+def decode_thresholds(timings, tokens=(1, 2, 4, 8, 16)):
+    """The decode threshold per shape ("HxIxE" -> slots): the largest slot count up to which the decode kernels
+    beat the sorted path at every measured T (each timed with do_bench, appended to ``timings``)."""
+    from triton.testing import do_bench
+    decode = {}
+    for shape, (H, I, E, k) in SHAPES.items():
+        limit = 0
+        for T in tokens:
+            d = do_bench(_callable(shape, T, "decode"), warmup=5, rep=30)
+            s = do_bench(_callable(shape, T, "fwd"), warmup=5, rep=30)
+            timings.append({"shape": shape, "T": T, "decode_ms": d, "sorted_ms": s})
+            if d < s and limit == (T // 2) * k:
+                limit = T * k
+        decode[f"{H}x{I}x{E}"] = limit
+    return decode
+
+
 def tune(results, configs_out: Path):
     import torch
     from triton.testing import do_bench
@@ -372,17 +390,7 @@ def tune(results, configs_out: Path):
         key = (t["kernel"], t["N"], t["K"], t["E"], t["slots"])
         if key not in best or t["ms"] < best[key]["ms"]:
             best[key] = t
-    # decode threshold per shape: the largest slot count at which the decode kernels beat the sorted path
-    decode = {}
-    for shape, (H, I, E, k) in SHAPES.items():
-        limit = 0
-        for T in (1, 2, 4, 8, 16):
-            d = do_bench(_callable(shape, T, "decode"), warmup=5, rep=30)
-            s = do_bench(_callable(shape, T, "fwd"), warmup=5, rep=30)
-            timings.append({"shape": shape, "T": T, "decode_ms": d, "sorted_ms": s})
-            if d < s and limit == (T // 2) * k:
-                limit = T * k
-        decode[f"{H}x{I}x{E}"] = limit
+    decode = decode_thresholds(timings)
     # the atomic combine (deterministic=False) against the deterministic one, inference forward
     for shape in SHAPES:
         for T in (64, 4096):
@@ -968,6 +976,10 @@ def main():
         jax_profile_calls(results)
     if "host" in parts:
         host_profile(results)
+    if "decode-threshold" in parts:
+        timings = []
+        record(results, "decode-threshold", "decode kernels against the sorted path, inference forward",
+               lambda: {"decode_max_slots": decode_thresholds(timings), "timings": timings})
     if "steps" in parts:
         step_timings(results, tuple(args.variant_kinds.split(",")),
                      args.step_tokens and {int(t) for t in args.step_tokens.split(",")})
@@ -998,6 +1010,10 @@ def main():
         elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training",
                            "descriptors"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
+        elif r["kind"] == "decode-threshold":
+            print(r["detail"]["decode_max_slots"])
+            for t in r["detail"]["timings"]:
+                print("   ", t)
         elif r["kind"] == "host-profile":
             print(r["name"], "host ms", r["detail"]["host_ms_per_call"])
             for row in r["detail"]["top_own_time_us_per_call"][:18]:
