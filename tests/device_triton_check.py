@@ -930,6 +930,36 @@ def descriptor_checks(results):
         plans.clear_caches()
 
 
+def _decode_threshold_part(results):
+    timings = []
+    record(results, "decode-threshold", "decode kernels against the sorted path, inference forward",
+           lambda: {"decode_max_slots": decode_thresholds(timings), "timings": timings})
+
+
+def _tune_part(results, args):
+    t0 = time.perf_counter()
+    results += parallel("tune", args.workers, args.out)
+    results[-1]["detail"]["warm_s"] = round(time.perf_counter() - t0, 1)
+    tune(results, args.configs_out)
+
+
+PARTS = {
+    "vectors": lambda results, args: results.extend(parallel("vectors", args.workers, args.out)),
+    "graphs": lambda results, args: graph_checks(results),
+    "descriptors": lambda results, args: descriptor_checks(results),
+    "tails": lambda results, args: tail_checks(results),
+    "large": lambda results, args: large_jax_training(results),
+    "profile": lambda results, args: profile_calls(results),
+    "jax-profile": lambda results, args: jax_profile_calls(results),
+    "host": lambda results, args: host_profile(results),
+    "decode-threshold": lambda results, args: _decode_threshold_part(results),
+    "steps": lambda results, args: step_timings(results, tuple(args.variant_kinds.split(",")), args.step_tokens and {
+        int(t) for t in args.step_tokens.split(",")}),
+    "tune": _tune_part,
+}
+"""--parts name -> what it runs (results, args), in the order they run."""
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
@@ -953,41 +983,19 @@ def main():
     if args.worker:
         {"vectors": vectors_worker, "tune": tune_worker}[args.worker](args.index, args.count, args.worker_out)
         return
+    parts = args.parts.split(",")
+    for part in parts:
+        if part not in PARTS:
+            raise SystemExit(f"--parts: expected names from {sorted(PARTS)}, got {part!r}")
     import torch
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     meta = {"torch": torch.__version__, "triton": __import__("triton").__version__,
             "jax": __import__("jax").__version__, "device": torch.cuda.get_device_name()}
     started = time.perf_counter()
-    parts = args.parts.split(",")
-    if "vectors" in parts:
-        results += parallel("vectors", args.workers, args.out)
-    if "graphs" in parts:
-        graph_checks(results)
-    if "descriptors" in parts:
-        descriptor_checks(results)
-    if "tails" in parts:
-        tail_checks(results)
-    if "large" in parts:
-        large_jax_training(results)
-    if "profile" in parts:
-        profile_calls(results)
-    if "jax-profile" in parts:
-        jax_profile_calls(results)
-    if "host" in parts:
-        host_profile(results)
-    if "decode-threshold" in parts:
-        timings = []
-        record(results, "decode-threshold", "decode kernels against the sorted path, inference forward",
-               lambda: {"decode_max_slots": decode_thresholds(timings), "timings": timings})
-    if "steps" in parts:
-        step_timings(results, tuple(args.variant_kinds.split(",")),
-                     args.step_tokens and {int(t) for t in args.step_tokens.split(",")})
-    if "tune" in parts:
-        t0 = time.perf_counter()
-        results += parallel("tune", args.workers, args.out)
-        results[-1]["detail"]["warm_s"] = round(time.perf_counter() - t0, 1)
-        tune(results, args.configs_out)
+    for part, run in PARTS.items():  # in this order, whatever the order asked
+        if part in parts:
+            run(results, args)
     meta["seconds"] = round(time.perf_counter() - started, 1)
     summary = {}
     for r in results:
