@@ -8,10 +8,11 @@ see ``TorchRunner.variants``); JAX, jitted, except backends the spec marks ``jit
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -153,13 +154,19 @@ class Runner(ABC):
     def measure(self, backend: str, mode: str, variant: Variant, n_sets: int, timing: Timing) -> Measurement:
         """Build, warm up, time. ``run_s`` leaves out what is paid once: the build (JAX compiles there) and,
         when compiled, the first call (torch.compile compiles there)."""
-        try:
-            return self._measure(backend, mode, variant, n_sets, timing)
-        finally:
-            self.after_point()
+        with self.measuring():
+            try:
+                return self._measure(backend, mode, variant, n_sets, timing)
+            finally:
+                self.after_point()
 
     def after_point(self) -> None:
         """Called after each point, measured or failed."""
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """The state of the process while one point is built and timed."""
+        yield
 
     def _measure(self, backend: str, mode: str, variant: Variant, n_sets: int, timing: Timing) -> Measurement:
         call = self.build(backend, mode, variant)
@@ -371,6 +378,22 @@ class JaxRunner(Runner):
             self.jax_device = jax.devices(self.platform)[0]
         except RuntimeError as err:
             self._unavailable = f"JAX has no {self.platform} device: {err}"
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """On the CPU, torch runs on one thread while a JAX point is timed: torch's OpenMP threads, left spinning by
+        the torch points before, otherwise compete with XLA's threads for the cores (qwen3-cpu T=1024: JAX 53.7 ms
+        in a process that had run torch points, 36-38 ms without; a Flax user's process has no torch threads)."""
+        if self.device.type != "cpu":
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        torch.zeros(1 << 16).add_(1)  # a parallel region on the one-thread team: the old team's threads go idle
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def availability(self):
         peers = peers_of("jax")

@@ -529,3 +529,37 @@ def test_rounds_interleave_the_series_and_pool_their_samples(tmp_path, monkeypat
     assert records["eager"]["ms"] == 3.0 and records["grouped_mm"]["ms"] == 4.0
     with pytest.raises(SystemExit, match="--rounds"):
         main(argv + ["--rounds", "0"])
+
+
+def test_jax_points_on_cpu_run_with_torch_on_one_thread():
+    """While a JAX point is built and timed on the CPU, torch is on one thread (its idle OpenMP threads would
+    compete with XLA's for the cores), and its thread count is restored afterwards, also when the point fails."""
+    import torch
+    from bench.inputs import make_sets, make_weights
+
+    runner = runners.JaxRunner(torch.device("cpu"))
+    config = CONFIGS["tiny"]
+    runner.load(make_weights(config, torch.bfloat16, torch.device("cpu"), seed=0),
+                make_sets(config, 4, torch.bfloat16, torch.device("cpu"), seed=0, count=1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    build = runner.build
+
+    def recording_build(*args):
+        seen.append(torch.get_num_threads())
+        call = build(*args)
+        return lambda i: (seen.append(torch.get_num_threads()), call(i))[1]
+
+    runner.build = recording_build
+    try:
+        timing = runners.Timing(warmup=1, min_reps=2, max_reps=2, min_time=0.0, stream_rounds=1)
+        runner.measure("grouped_mm", "fwd", runners.JIT, 1, timing)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        runner.build = lambda *args: (_ for _ in ()).throw(RuntimeError("a failing point"))
+        with pytest.raises(RuntimeError, match="a failing point"):
+            runner.measure("grouped_mm", "fwd", runners.JIT, 1, timing)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
