@@ -225,7 +225,8 @@ triton_experts_train.register_autograd(lambda ctx, grads: _input_gradients(ctx, 
 
 class _EagerTraining(torch.autograd.Function):
     """The training forward and backward of the ops above without the op dispatch (eager mode): the same
-    functions, so the same kernels and bits, for about half the host time per step."""
+    functions, so the same kernels and bits, for about a quarter less host time per step (383 -> 280 us
+    here with the launches left out)."""
 
     @staticmethod
     def forward(ctx, x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):

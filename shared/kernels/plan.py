@@ -126,8 +126,8 @@ def default_config(kernel: str, N: int, K: int, rows_per_expert: float) -> TileC
     8 warps from BM 128 on, GROUP_M 8 from BM 64 on (row blocks sharing weight tiles in L2: faster or equal for 10
     of 12 GEMM steps at T=4096 on the H200), SHORT_TAILS 1 from BM 32 on (an expert's last block with at most
     BM/2 rows runs a half-height tile: 3-13% faster for 14 of 16 GEMM steps of the three model shapes on the
-    H200, tests/device_results/nvidia-h200-triton-steps-tails.json). ``wgrad``: 128 x 128 output tiles over 64-row steps (BM is the row
-    step). ``decode``: GEMV tiles of 32 outputs x 256 inputs.
+    H200, tests/device_results/nvidia-h200-triton-steps-tails.json). ``wgrad``: 128 x 128 output tiles over 64-row
+    steps (BM is the row step). ``decode``: GEMV tiles of 32 outputs x 256 inputs.
     """
     if kernel == "decode":
         return TileConfig(BM=1, BN=32, BK=256, num_warps=4, num_stages=2)
