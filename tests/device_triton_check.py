@@ -12,7 +12,8 @@ variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against p
 ``tails``: short tiles for the experts' last blocks (SHORT_TAILS) against the reference, torch vs JAX.
 ``profile``: the public call timed as the benchmark does and under torch.profiler (each kernel's time per call);
 ``host``: where the host's time per torch call goes (cProfile). ``decode-threshold``: the slot count up to which
-the decode kernels beat the sorted path, per shape, with the current tiles. ``jax-profile``: the JAX call timed on the host (single, back to back, issue time) and its HLO op counts.
+the decode kernels beat the sorted path, per shape, with the current tiles. ``jax-profile``: the JAX call timed on
+the host (single, back to back, issue time) and its HLO op counts.
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
 ``--merge-steps RESULTS...`` (no GPU): the fastest variant of each step into the tile-config table.
@@ -609,7 +610,8 @@ PROFILE_POINTS = (("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 4096), ("deepseek-v3
 def profile_calls(results):
     """The public torch call (``moe_torch.experts_forward``, implementation="triton"), forward at inference and
     forward+backward, timed as the benchmark times it (CUDA events around one call, and 20 calls back to back, with
-    the host's time to issue each) and under torch.profiler: each kernel's mean time per call, so the sum of the kernels can be set against the call."""
+    the host's time to issue each) and under torch.profiler: each kernel's mean time per call, so the sum of the
+    kernels can be set against the call."""
     import torch
     import moe_torch
     from torch.profiler import ProfilerActivity, profile
