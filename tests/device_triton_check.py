@@ -11,8 +11,10 @@ processes, which also compile in parallel). ``graphs``: CUDA-graph capture and r
 variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against pointer loads, torch and JAX.
 ``tails``: short tiles for the experts' last blocks (SHORT_TAILS) against the reference, torch vs JAX.
 ``profile``: the public call timed as the benchmark does and under torch.profiler (each kernel's time per call);
-``host``: where the host's time per torch call goes (cProfile). ``decode-threshold``: the slot count up to which
-the decode kernels beat the sorted path, per shape, with the current tiles. ``jax-profile``: the JAX call timed on
+``host``: where the host's time per torch call goes (cProfile). ``launch``: cached kernels launched through
+triton's C launcher give the bits of its launch wrapper. ``decode-threshold``: the slot count up to which
+the decode kernels beat the sorted path, per shape, with the current tiles (the table with them written to
+``--configs-out``). ``jax-profile``: the JAX call timed on
 the host (single, back to back, issue time) and its HLO op counts.
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
@@ -932,10 +934,81 @@ def descriptor_checks(results):
         plans.clear_caches()
 
 
-def _decode_threshold_part(results):
+def direct_launch_checks(results):
+    """Eager torch calls launch each step's cached kernel through triton's C launcher (``_direct_launch``): the
+    same bits as through triton's launch wrapper (the C launcher switched off), for inference (decode and sorted
+    paths) and training (output and every gradient), and the C launcher taken for every kernel without a scratch
+    buffer."""
+    import torch
+    import moe_torch
+    from moe_torch.backends import triton as backend
+
+    def run(shape, T, training):
+        (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+        leaves = [t.detach().requires_grad_(training) for t in (x, w, gate_up, down)]
+        out = moe_torch.experts_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3], implementation="triton")
+        if not training:
+            return [out.float().cpu()]
+        out.backward(dout)
+        return [out.float().cpu()] + [t.grad.float().cpu() for t in leaves]
+
+    saved = backend._direct_launch
+
+    def counting(compiled):
+        direct = saved(compiled)
+        if direct is None:
+            return None
+
+        def counted(*args):
+            launches["c-launcher"] += 1
+            direct(*args)
+        return counted
+
+    def check(shape, T, training):
+        backend._LAUNCHED.clear()
+        backend._direct_launch = counting
+        try:
+            run(shape, T, training)  # compiles and caches
+            launches["c-launcher"] = 0
+            direct = run(shape, T, training)
+            used = launches["c-launcher"]
+            backend._LAUNCHED.clear()
+            backend._direct_launch = lambda compiled: None
+            run(shape, T, training)
+            wrapped = run(shape, T, training)
+        finally:
+            backend._direct_launch = saved
+            backend._LAUNCHED.clear()
+        same = all(torch.equal(a, b) for a, b in zip(direct, wrapped))
+        if not same or not used:
+            raise AssertionError({"same": same, "c_launcher_launches": used})
+        return {"identical": same, "c_launcher_launches": used}
+
+    launches = {"c-launcher": 0}
+
+    for shape, T, training in (("qwen3-30b-a3b", 1, False), ("qwen3-30b-a3b", 4096, False),
+                               ("mixtral-8x7b", 64, True), ("qwen3-30b-a3b", 256, True)):
+        mode = "fwd+bwd" if training else "fwd"
+        record(results, "direct-launch", f"{shape} T={T} {mode}: C launcher vs triton's wrapper",
+               lambda a=(shape, T, training): check(*a))
+
+
+def _decode_threshold_part(results, configs_out: Path):
+    """The decode thresholds with the current tiles, and the current table with them written to
+    ``<configs_out>/<device>.json`` (for ``MOE_EXPERTS_TRITON_CONFIGS`` in the same session, and to commit)."""
+    import torch
     timings = []
-    record(results, "decode-threshold", "decode kernels against the sorted path, inference forward",
-           lambda: {"decode_max_slots": decode_thresholds(timings), "timings": timings})
+
+    def thresholds():
+        decode = decode_thresholds(timings)
+        name = f"{plans.device_file_name(torch.cuda.get_device_name())}.json"
+        table = json.loads((Path(plans.CONFIG_DIR) / name).read_text())
+        table["decode_max_slots"] = decode | {"default": table["decode_max_slots"].get("default", 16)}
+        configs_out.mkdir(parents=True, exist_ok=True)
+        (configs_out / name).write_text(json.dumps(table, indent=1) + "\n")
+        return {"decode_max_slots": decode, "timings": timings}
+
+    record(results, "decode-threshold", "decode kernels against the sorted path, inference forward", thresholds)
 
 
 def _tune_part(results, args):
@@ -954,7 +1027,8 @@ PARTS = {
     "profile": lambda results, args: profile_calls(results),
     "jax-profile": lambda results, args: jax_profile_calls(results),
     "host": lambda results, args: host_profile(results),
-    "decode-threshold": lambda results, args: _decode_threshold_part(results),
+    "launch": lambda results, args: direct_launch_checks(results),
+    "decode-threshold": lambda results, args: _decode_threshold_part(results, args.configs_out),
     "steps": lambda results, args: step_timings(results, tuple(args.variant_kinds.split(",")), args.step_tokens and {
         int(t) for t in args.step_tokens.split(",")}),
     "tune": _tune_part,
@@ -1018,7 +1092,7 @@ def main():
             for name, v in list(d["kernels"].items())[:8]:
                 print("   ", v["ms_per_call"], v["launches_per_call"], name[:90])
         elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training",
-                           "descriptors"):
+                           "descriptors", "direct-launch"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
         elif r["kind"] == "decode-threshold":
             print(r["detail"]["decode_max_slots"])

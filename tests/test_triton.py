@@ -468,18 +468,23 @@ def test_atomic_combine_at_inference(framework):
     assert relative_l2(got, expected) <= 1e-6
 
 
-def test_launch_cache_reuses_the_compiled_kernel_only_for_the_same_specialization():
-    """The torch binding's launch path (GPU only: the interpreter compiles nothing) with a stand-in for triton's
-    JITFunction: the first launch per step and argument kind goes through it, later ones launch what it returned
-    with the constants appended in the kernel's parameter order; another dtype, alignment or integer goes through
-    it again."""
-    calls = []
+def _stand_in_kernel(calls, scratch=0):
+    """A stand-in for triton's JITFunction whose compiled kernels record how they were launched: through their
+    wrapper (``compiled[grid](...)``) or their C launcher (``compiled.run.launch``)."""
+
+    class Launcher:
+        global_scratch_size, profile_scratch_size = scratch, 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def launch(self, *args):
+            calls.append(("c-launcher", args))
 
     class Compiled:
-        function = object()
+        function, packed_metadata = "function", "packed"
+        run = Launcher()
 
         def __getitem__(self, grid):
-            return lambda *args: calls.append(("direct", grid, args))
+            return lambda *args: calls.append(("wrapper", grid, args))
 
     class Param:
         def __init__(self, name, default):
@@ -495,17 +500,61 @@ def test_launch_cache_reuses_the_compiled_kernel_only_for_the_same_specializatio
                 return Compiled()
             return run
 
+    return Kernel()
+
+
+def test_launch_cache_reuses_the_compiled_kernel_only_for_the_same_specialization():
+    """The torch binding's launch path (GPU only: the interpreter compiles nothing) with a stand-in for triton's
+    JITFunction: the first launch per step and argument kind goes through it, later ones launch what it returned
+    with the constants appended in the kernel's parameter order; another dtype, alignment, integer or current
+    device goes through it again."""
+    calls = []
     step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
     a, out = torch.zeros(8), torch.zeros(4)
-    kernel = Kernel()
-    torch_triton_backend._launch(kernel, step, [a, 5, out])
-    torch_triton_backend._launch(kernel, step, [a, 5, out])
-    torch_triton_backend._launch(kernel, step, [a[1:], 5, out])  # base address no longer a multiple of 16
-    torch_triton_backend._launch(kernel, step, [a, 6, out])
-    torch_triton_backend._launch(kernel, step, [a.double(), 5, out])
-    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit"]
+    kernel = _stand_in_kernel(calls)
+    wrapped = (0, None)  # device 0, no stream: through triton's launch wrapper
+    for args, where in (([a, 5, out], wrapped), ([a, 5, out], wrapped), ([a[1:], 5, out], wrapped),
+                        ([a, 6, out], wrapped), ([a.double(), 5, out], wrapped), ([a, 5, out], (1, None))):
+        torch_triton_backend._launch(kernel, step, args, where)
+    assert [c[0] for c in calls] == ["jit", "wrapper", "jit", "jit", "jit", "jit"]
     assert calls[0][3] == {"num_warps": 4, "num_stages": 2, "B": 2}
     assert calls[1][1] == (3, 1, 1) and calls[1][2][3:] == (2, 7)
+
+
+def test_launch_cache_calls_the_c_launcher_with_the_arguments_of_triton_s_wrapper():
+    """Given a stream, a cached kernel is launched through its C launcher with what triton's wrapper passes it
+    (grid, stream, function, launch flags, no scratch, packed metadata, no launch metadata or hooks, then every
+    argument and constant); a kernel that takes a scratch buffer keeps the wrapper, which allocates it."""
+    calls = []
+    step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
+    a, out = torch.zeros(8), torch.zeros(4)
+    kernel = _stand_in_kernel(calls)
+    for _ in range(2):
+        torch_triton_backend._launch(kernel, step, [a, 5, out], (0, 1234))
+    assert [c[0] for c in calls] == ["jit", "c-launcher"]
+    assert calls[1][1] == (3, 1, 1, 1234, "function", False, True, None, None, "packed", None, None, None,
+                           a, 5, out, 2, 7)
+
+    calls.clear()
+    scratch_step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
+    kernel = _stand_in_kernel(calls, scratch=128)
+    for _ in range(2):
+        torch_triton_backend._launch(kernel, scratch_step, [a, 5, out], (0, 1234))
+    assert [c[0] for c in calls] == ["jit", "wrapper"]
+
+
+def test_triton_launch_hooks_keep_triton_s_launch_wrapper():
+    """The C-launcher path is taken only while triton's launch hooks are empty (a profiler adds one): triton 3.6
+    keeps them as chains of hooks, never None; CPU tensors get no stream."""
+    from triton import knobs
+    chain = knobs.runtime.launch_enter_hook
+    assert not torch_triton_backend._hook_set(chain) and not torch_triton_backend._hook_set(None)
+    chain.add(print)
+    try:
+        assert torch_triton_backend._hook_set(chain)
+    finally:
+        chain.remove(print)
+    assert torch_triton_backend._launch_place(torch.device("cpu")) == (-1, None)
 
 
 def _described_run(arrays, grad_output, transposed: bool):

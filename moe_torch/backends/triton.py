@@ -75,30 +75,52 @@ def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None
     if any(step.constants.get("B_DESC") for step in plan.steps):
         import triton
         triton.set_allocator(_descriptor_workspace)  # a context variable: set in the thread that launches
+    where = _launch_place(device) if kernels is not None else None
     for step in plan.steps:
         outputs = [(torch.zeros if (i in step.zeroed or not step.grid) else torch.empty)(
             b.shape, dtype=dtypes[b.dtype], device=device) for i, b in enumerate(step.outputs)]
         if step.grid:
             _launch(getattr(kernels, step.kernel), step, [env[a] if isinstance(a, str) else a for a in step.inputs]
-                    + outputs)
+                    + outputs, where)
         env.update((b.name, t) for b, t in zip(step.outputs, outputs))
     return env
 
 
+def _launch_place(device: torch.device) -> tuple[int, int | None]:
+    """(the current CUDA device, the raw stream of ``device`` when the steps may skip triton's launch wrapper, else
+    None): the wrapper is kept for tensors on another device than the current one, and while triton's launch hooks
+    are set (a profiler reads them)."""
+    if device.type != "cuda":
+        return -1, None
+    from triton import knobs
+    current = torch.cuda.current_device()
+    hooked = any(_hook_set(h) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    direct = device.index == current and not hooked
+    return current, torch._C._cuda_getCurrentRawStream(current) if direct else None
+
+
+def _hook_set(hook) -> bool:
+    """Whether a triton launch hook does anything: None, or a chain of hooks (triton 3.6) with none in it, does not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 _LAUNCHED: dict[int, tuple] = {}
-"""id(step) -> (step, its constant arguments in the kernel's order, {argument key: compiled kernel})."""
+"""id(step) -> (step, its constant arguments in the kernel's order, {argument key: (compiled kernel, its direct
+launch or None)})."""
 _MAX_LAUNCHED = 4096
 
 
-def _launch(kernel, step: plans.Step, args: list) -> None:
+def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None]) -> None:
     """Launch one plan step. The first launch for a step and a kind of arguments goes through triton's
     ``JITFunction`` (which binds and specializes every argument, compiling if needed); later ones launch the
-    compiled kernel it returned directly. The key holds what triton specializes on: each tensor's dtype and base
-    address modulo 16, each integer's value."""
+    compiled kernel it returned directly, through triton's C launcher where ``where`` gives a stream
+    (``_direct_launch``). The key holds what triton specializes on, each tensor's dtype and base address modulo 16
+    and each integer's value, and the current device (a compiled kernel is loaded on one)."""
     entry = _LAUNCHED.get(id(step))
-    key = tuple((a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args)
-    compiled = entry[2].get(key) if entry is not None and entry[0] is step else None
-    if compiled is None:
+    current, stream = where
+    key = (current, *((a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args))
+    launched = entry[2].get(key) if entry is not None and entry[0] is step else None
+    if launched is None:
         compiled = kernel[(step.grid,)](*args, num_warps=step.num_warps, num_stages=step.num_stages,
                                         **step.constants)
         if hasattr(compiled, "function"):  # a CompiledKernel (the interpreter returns none)
@@ -108,9 +130,30 @@ def _launch(kernel, step: plans.Step, args: list) -> None:
                 defaults = {p.name: p.default for p in kernel.params}
                 constants = [step.constants.get(n, defaults[n]) for n in kernel.arg_names[len(args):]]
                 entry = _LAUNCHED[id(step)] = (step, constants, {})
-            entry[2][key] = compiled
+            entry[2][key] = (compiled, _direct_launch(compiled))
         return
-    compiled[(step.grid, 1, 1)](*args, *entry[1])
+    compiled, direct = launched
+    if direct is not None and stream is not None:
+        direct(step.grid, stream, args, entry[1])
+    else:
+        compiled[(step.grid, 1, 1)](*args, *entry[1])
+
+
+def _direct_launch(compiled):
+    """A launch of ``compiled`` through triton's C launcher with the arguments ``compiled[grid](...)`` would give
+    it (no launch metadata, hooks or scratch buffers), or None for a kernel that takes a scratch buffer (tensor
+    descriptors made on the device): that one keeps triton's wrapper, which allocates it."""
+    run = compiled.run
+    if run.global_scratch_size or run.profile_scratch_size:
+        return None
+    launch, function, packed = run.launch, compiled.function, compiled.packed_metadata
+    cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+    def direct(grid: int, stream: int, args: list, constants: list) -> None:
+        launch(grid, 1, 1, stream, function, cooperative, pdl, None, None, packed, None, None, None, *args,
+               *constants)
+
+    return direct
 
 
 def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torch.Tensor]:
