@@ -352,17 +352,44 @@ def tune_worker(index, count, out):
                                       "detail": {"compiled": sum(done), "failed": done.count(False)}}]))
 
 
+def _alone_and_back_to_back_ms(fn, calls=30):
+    """Median ms of ``fn`` called alone (CUDA events from before its host work to the end of its device work, a sync
+    before each: what the benchmark's ``ms`` and an eager decode step pay) and ms per call of ``calls`` calls issued
+    back to back (what CUDA graphs and a model's layers in a row see)."""
+    import statistics
+    import torch
+    for _ in range(5):
+        fn()
+    alone = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        alone.append(start.elapsed_time(end))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return statistics.median(alone), start.elapsed_time(end) / calls
+
+
 def decode_thresholds(timings, tokens=(1, 2, 4, 8, 16)):
     """The decode threshold per shape ("HxIxE" -> slots): the largest slot count up to which the decode kernels
-    beat the sorted path at every measured T (each timed with do_bench, appended to ``timings``)."""
-    from triton.testing import do_bench
+    beat the sorted path at every measured T, called alone, as the benchmark times a call (both paths also timed
+    back to back; every timing appended to ``timings``)."""
     decode = {}
     for shape, (H, I, E, k) in SHAPES.items():
         limit = 0
         for T in tokens:
-            d = do_bench(_callable(shape, T, "decode"), warmup=5, rep=30)
-            s = do_bench(_callable(shape, T, "fwd"), warmup=5, rep=30)
-            timings.append({"shape": shape, "T": T, "decode_ms": d, "sorted_ms": s})
+            d, d_stream = _alone_and_back_to_back_ms(_callable(shape, T, "decode"))
+            s, s_stream = _alone_and_back_to_back_ms(_callable(shape, T, "fwd"))
+            timings.append({"shape": shape, "T": T, "decode_ms": d, "sorted_ms": s,
+                            "decode_back_to_back_ms": d_stream, "sorted_back_to_back_ms": s_stream})
             if d < s and limit == (T // 2) * k:
                 limit = T * k
         decode[f"{H}x{I}x{E}"] = limit
