@@ -408,11 +408,26 @@ def _grouped_mm_fwd_bwd(arrays, dy, dtype):
 
 
 @pytest.mark.parametrize("empty", [False, True])
-def test_combine_of_large_inputs_has_the_bits_of_one_sum_over_k(empty):
-    """Large inputs take k multiply-adds into float32 token rows (no [T*k, H] temporary), in order over k: the
-    same bits as one float32 product and one sum over k; rows of empty slots count as zero whatever they hold."""
+@pytest.mark.parametrize("large", [False, True], ids=["one-sum", "k-steps"])
+def test_combine_has_the_bits_of_masking_first(empty, large):
+    """Both combines give the bits of masking the empty slots' rows and weights first, then one float32 product and
+    one sum over k: large inputs through k multiply-adds into float32 token rows (no [T*k, H] temporary), small ones
+    through one product whose empty rows are zeroed in place (no copy of the rows or the weights to mask them);
+    rows of empty slots count as zero whatever they hold."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from moe_torch.base import Slots, combine
-    T, k, H, E = 160, 4, 256, 8
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    T, k, H, E = (160, 4, 256, 8) if large else (9, 4, 32, 8)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, E, (T, k), generator=g)
     if empty:
@@ -420,13 +435,17 @@ def test_combine_of_large_inputs_has_the_bits_of_one_sum_over_k(empty):
     y = torch.randn(T * k, H, generator=g).bfloat16()
     y[ids.reshape(-1) < 0] = float("nan")
     w = torch.rand(T, k, generator=g).bfloat16()
+    w[ids < 0] = float("inf")
     valid = (ids >= 0).reshape(-1, 1)
     expected = (torch.where(valid, y.float(), 0).view(T, k, H) * torch.where(valid.view(T, k), w, 0).float()[..., None])
     expected = expected.sum(1).bfloat16()
-    with torch.no_grad():
-        got = combine(y, Slots(ids, E), w, torch.bfloat16)
-    assert T * k * H > 2**17  # the multiply-add path
+    slots = Slots(ids, E)
+    with torch.no_grad(), Ops() as ops:
+        got = combine(y, slots, w, torch.bfloat16)
+    assert (T * k * H > 2**17) == large  # which path
     assert torch.equal(got, expected)
+    if not large:
+        assert not any(n.startswith(("aten.clone", "aten.masked_fill.")) for n in ops.names), ops.names
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
