@@ -719,3 +719,24 @@ def test_argument_and_requirement_checks_run_once_per_signature(monkeypatch):
     for _ in range(2):
         with pytest.raises(ImportError, match="missing"):
             experts_forward(**tensors, implementation="batched_mm")
+
+
+def test_loop_weight_gradient_zeroes_every_idle_expert_and_multiplies_the_others():
+    """The per-expert weight-gradient loop (CPU) zeroes runs of idle experts at once (at the start, between active
+    ones and at the end) and gives each active expert grad[rows].T @ a[rows]: the K-grouped F.grouped_mm's bits."""
+    import torch.nn.functional as F
+
+    from moe_torch.backends.grouped_mm import grouped_weight_grad
+    counts = torch.tensor([0, 0, 3, 0, 1, 2, 0, 0, 0, 4, 0, 0], dtype=torch.int32)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    grad, a = torch.randn(10, 8, generator=g).bfloat16(), torch.randn(10, 16, generator=g).bfloat16()
+    got = grouped_weight_grad(grad, a, offs, 12)
+    assert torch.equal(got[counts == 0], torch.zeros(8, 8, 16, dtype=torch.bfloat16))
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            assert torch.equal(got[e], (grad[start:end].float().T @ a[start:end].float()).bfloat16())
+        start = end
+    if hasattr(F, "grouped_mm"):
+        assert torch.equal(got, F.grouped_mm(grad.t(), a, offs=offs))

@@ -81,8 +81,9 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 
 TENSOR_DESCRIPTORS = False
-"""Whether the kernels may read the weights through tensor descriptors. Off: jaxlib up to 0.11.0 launches Triton
-kernels with a null global-scratch pointer, where device-side descriptors live; not yet verified on a later one."""
+"""Whether the kernels may read the weights through tensor descriptors. Off: jaxlib launches Triton kernels with a
+null global-scratch pointer, where device-side descriptors live (an illegal address with jaxlib 0.11.2 on the H200,
+tests/device_results/nvidia-h200-triton-descriptors.json)."""
 
 
 def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,

@@ -85,13 +85,18 @@ def grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor,
     if grad.device.type in K_GROUPED_DEVICES and k_grouped_supported(grad, a):
         return F.grouped_mm(grad.t(), a, offs=offs)
     out = grad.new_empty(num_experts, grad.shape[1], a.shape[1])
-    start = 0
+    start, idle_from = 0, None  # idle experts are zeroed a run of consecutive ones at a time (decode: a few runs)
     for e, end in enumerate(offs.tolist()):  # one host sync for the whole loop
         if end > start:
+            if idle_from is not None:
+                out[idle_from:e].zero_()
+                idle_from = None
             torch.mm(grad[start:end].T, a[start:end], out=out[e])
-        else:
-            out[e].zero_()
+        elif idle_from is None:
+            idle_from = e
         start = end
+    if idle_from is not None:
+        out[idle_from:].zero_()
     return out
 
 
