@@ -211,19 +211,22 @@ VECTORIZED_COMBINE_MAX = {"cpu": 2**17, "cuda": 2**24}
 def _sum_over_k(y: torch.Tensor, weights: torch.Tensor, empty: torch.Tensor | None,
                 rows_zero: bool = False) -> torch.Tensor:
     """sum_j weights[:, j] * y[:, j] in float32 for y [T, k, H], the empty slots' terms exactly zero whatever their
-    rows and weights hold (``rows_zero``: the caller made their rows zeros). Up to VECTORIZED_COMBINE_MAX elements
-    one product, its empty slots' rows zeroed in place, and one sum (three kernels); else k multiply-adds into one
-    float32 [T, H] on masked rows and weights (no float32 [T*k, H] temporary; in half precision each product is exact
-    in float32, so every term is rounded once, by the sum). Both give the same bits as masking first."""
-    if y.numel() <= VECTORIZED_COMBINE_MAX.get(y.device.type, VECTORIZED_COMBINE_MAX["cpu"]):
+    rows and weights hold (``rows_zero``: the caller made their rows zeros, so only their weights are masked). Up to
+    VECTORIZED_COMBINE_MAX elements one product, its empty slots' rows zeroed in place, and one sum (three kernels);
+    else k multiply-adds into one float32 [T, H] on masked rows and weights (no float32 [T*k, H] temporary; in half
+    precision each product is exact in float32, so every term is rounded once, by the sum). Both give the same bits
+    as masking first."""
+    vectorized = y.numel() <= VECTORIZED_COMBINE_MAX.get(y.device.type, VECTORIZED_COMBINE_MAX["cpu"])
+    if empty is not None and (rows_zero or not vectorized):
+        weights = weights.masked_fill(empty, 0)
+        if not rows_zero:
+            y = y.masked_fill(empty.unsqueeze(2), 0)
+        empty = None
+    if vectorized:
         products = y * weights.float().unsqueeze(2)  # times float32 weights: float32 products
         if empty is not None:
             products.masked_fill_(empty.unsqueeze(2), 0)
         return products.sum(1)
-    if empty is not None:
-        weights = weights.masked_fill(empty, 0)
-        if not rows_zero:
-            y = y.masked_fill(empty.unsqueeze(2), 0)
     out = y[:, 0] * weights[:, 0, None].float()
     for j in range(1, weights.shape[1]):
         out.addcmul_(y[:, j], weights[:, j, None])
@@ -261,8 +264,8 @@ def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtyp
             empty_rows_zero: bool = False) -> torch.Tensor:
     """sum_j w[t, j] * y[t*k + j] in float32 in a fixed order (deterministic: no scatter; the same bits with and
     without autograd); empty slots exactly zero, whatever their rows of ``y`` and their weights hold.
-    ``empty_rows_zero``: the caller made the empty slots' rows zeros (the same bits; where the sum goes through k
-    multiply-adds, a [T*k, H] mask fewer)."""
+    ``empty_rows_zero``: the caller made the empty slots' rows zeros, so only their weights are masked (the same
+    bits, no [T*k, H] mask)."""
     T, k = slots.T, slots.k
     empty = None if slots.empty is None else slots.empty.view(T, k)
     y = y.view(T, k, y.shape[-1])

@@ -407,13 +407,15 @@ def _grouped_mm_fwd_bwd(arrays, dy, dtype):
     return run(tensors, "grouped_mm", grad_output=to_torch({"g": dy}, dtype)["g"])
 
 
+@pytest.mark.parametrize("rows_zero", [False, True], ids=["any-rows", "rows-zero"])
 @pytest.mark.parametrize("empty", [False, True])
 @pytest.mark.parametrize("large", [False, True], ids=["one-sum", "k-steps"])
-def test_combine_has_the_bits_of_masking_first(empty, large):
+def test_combine_has_the_bits_of_masking_first(empty, large, rows_zero):
     """Both combines give the bits of masking the empty slots' rows and weights first, then one float32 product and
     one sum over k: large inputs through k multiply-adds into float32 token rows (no [T*k, H] temporary), small ones
     through one product whose empty rows are zeroed in place (no copy of the rows or the weights to mask them);
-    rows of empty slots count as zero whatever they hold."""
+    rows of empty slots count as zero whatever they hold, and with ``empty_rows_zero`` (the caller zeroed them)
+    only the weights, whatever they hold, are masked."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from moe_torch.base import Slots, combine
@@ -433,7 +435,7 @@ def test_combine_has_the_bits_of_masking_first(empty, large):
     if empty:
         ids[::3, 1] = -1
     y = torch.randn(T * k, H, generator=g).bfloat16()
-    y[ids.reshape(-1) < 0] = float("nan")
+    y[ids.reshape(-1) < 0] = 0 if rows_zero else float("nan")
     w = torch.rand(T, k, generator=g).bfloat16()
     w[ids < 0] = float("inf")
     valid = (ids >= 0).reshape(-1, 1)
@@ -441,10 +443,10 @@ def test_combine_has_the_bits_of_masking_first(empty, large):
     expected = expected.sum(1).bfloat16()
     slots = Slots(ids, E)
     with torch.no_grad(), Ops() as ops:
-        got = combine(y, slots, w, torch.bfloat16)
+        got = combine(y, slots, w, torch.bfloat16, empty_rows_zero=rows_zero)
     assert (T * k * H > 2**17) == large  # which path
     assert torch.equal(got, expected)
-    if not large:
+    if not large and not rows_zero:
         assert not any(n.startswith(("aten.clone", "aten.masked_fill.")) for n in ops.names), ops.names
 
 
