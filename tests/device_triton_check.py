@@ -352,14 +352,10 @@ def tune_worker(index, count, out):
                                       "detail": {"compiled": sum(done), "failed": done.count(False)}}]))
 
 
-def _alone_and_back_to_back_ms(fn, calls=30):
-    """Median ms of ``fn`` called alone (CUDA events from before its host work to the end of its device work, a sync
-    before each: what the benchmark's ``ms`` and an eager decode step pay) and ms per call of ``calls`` calls issued
-    back to back (what CUDA graphs and a model's layers in a row see)."""
-    import statistics
+def _alone_ms(fn, calls: int) -> list[float]:
+    """ms of each of ``calls`` calls of ``fn`` made alone: CUDA events from before its host work to the end of its
+    device work, a sync before each (what the benchmark's ``ms`` and an eager decode step pay)."""
     import torch
-    for _ in range(5):
-        fn()
     alone = []
     for _ in range(calls):
         torch.cuda.synchronize()
@@ -369,6 +365,17 @@ def _alone_and_back_to_back_ms(fn, calls=30):
         end.record()
         end.synchronize()
         alone.append(start.elapsed_time(end))
+    return alone
+
+
+def _alone_and_back_to_back_ms(fn, calls=30):
+    """Median ms of ``fn`` called alone (``_alone_ms``) and ms per call of ``calls`` calls issued back to back (what
+    CUDA graphs and a model's layers in a row see)."""
+    import statistics
+    import torch
+    for _ in range(5):
+        fn()
+    alone = _alone_ms(fn, calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
@@ -660,15 +667,7 @@ def profile_calls(results):
 
         for _ in range(3):
             call()
-        torch.cuda.synchronize()
-        single = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            single.append(start.elapsed_time(end))
+        single = _alone_ms(call, 10)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         host = []
