@@ -76,12 +76,19 @@ def _(a, w, offs):
     return a.new_empty(a.shape[0], w.shape[1])
 
 
-@torch.library.custom_op("moe_torch::grouped_weight_grad", mutates_args=())
 def grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E, N, K]: grad[rows of e].T @ a[rows of e] for the row ranges ending at offs (one matmul each, float32
     accumulation), zero for experts without rows; nothing accumulates across calls (the same bits every run). On the
-    devices of ``K_GROUPED_DEVICES`` one K-grouped F.grouped_mm where it takes the rows (no host sync; opaque to
-    torch.compile, which could otherwise lay the transposed rows out unaligned), else a loop (one host sync)."""
+    devices of ``K_GROUPED_DEVICES`` one K-grouped F.grouped_mm where it takes the rows (no host sync), else a loop
+    (one host sync). Under torch.compile through the custom op ``moe_torch::grouped_weight_grad`` (opaque: the
+    compiler could otherwise lay the transposed rows out unaligned); in eager mode the function itself, without
+    the op's dispatch (the same bits)."""
+    if torch.compiler.is_compiling():
+        return _grouped_weight_grad_op(grad, a, offs, num_experts)
+    return _weight_grad(grad, a, offs, num_experts)
+
+
+def _weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
     if grad.device.type in K_GROUPED_DEVICES and k_grouped_supported(grad, a):
         return F.grouped_mm(grad.t(), a, offs=offs)
     out = grad.new_empty(num_experts, grad.shape[1], a.shape[1])
@@ -100,7 +107,13 @@ def grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor,
     return out
 
 
-@grouped_weight_grad.register_fake
+@torch.library.custom_op("moe_torch::grouped_weight_grad", mutates_args=())
+def _grouped_weight_grad_op(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor,
+                            num_experts: int) -> torch.Tensor:
+    return _weight_grad(grad, a, offs, num_experts)
+
+
+@_grouped_weight_grad_op.register_fake
 def _(grad, a, offs, num_experts):
     return grad.new_empty(num_experts, grad.shape[1], a.shape[1])
 
