@@ -58,9 +58,14 @@ class _Gate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h, act = ctx.saved_tensors
-        activation, intermediate = ctx.gate
-        g, u = h[..., :intermediate], h[..., intermediate:]
-        return torch.cat([ACTIVATION_GRADS[activation](grad * u, g), grad * act], -1), None, None
+        return gate_grad(grad, h, act, *ctx.gate), None, None
+
+
+def gate_grad(grad: torch.Tensor, h: torch.Tensor, act: torch.Tensor, activation: str,
+              intermediate: int) -> torch.Tensor:
+    """d(act(g) * u) / d[g; u] times ``grad``, one [..., 2I] tensor, given h = [g; u] and act = act(g)."""
+    g, u = h[..., :intermediate], h[..., intermediate:]
+    return torch.cat([ACTIVATION_GRADS[activation](grad * u, g), grad * act], -1)
 
 
 def gate(activation: str | Callable, h: torch.Tensor, intermediate: int) -> torch.Tensor:
@@ -208,7 +213,7 @@ class TokenRows(RowGather):
 VECTORIZED_COMBINE_MAX = {"cpu": 2**17, "cuda": 2**24}
 
 
-def _sum_over_k(y: torch.Tensor, weights: torch.Tensor, empty: torch.Tensor | None,
+def sum_over_k(y: torch.Tensor, weights: torch.Tensor, empty: torch.Tensor | None,
                 rows_zero: bool = False) -> torch.Tensor:
     """sum_j weights[:, j] * y[:, j] in float32 for y [T, k, H], the empty slots' terms exactly zero whatever their
     rows and weights hold (``rows_zero``: the caller made their rows zeros, so only their weights are masked). Up to
@@ -234,30 +239,43 @@ def _sum_over_k(y: torch.Tensor, weights: torch.Tensor, empty: torch.Tensor | No
 
 
 class _Combine(torch.autograd.Function):
-    """_sum_over_k of y [T, k, H], rounded to ``out_dtype``, the weights of empty slots taken as zero (masked here,
+    """sum_over_k of y [T, k, H], rounded to ``out_dtype``, the weights of empty slots taken as zero (masked here,
     so autograd adds no mask of its own to their gradient). Backward: each slot's row gradient w * grad (one product,
     rounded once) and each weight's gradient, a float32 dot product over H (zero for empty slots); nothing
     [T*k, H] in float32."""
 
     @staticmethod
     def forward(ctx, y, weights, empty, out_dtype):
-        weights = weights if empty is None else weights.masked_fill(empty, 0)
+        weights = masked_weights(weights, empty)
         ctx.save_for_backward(y, weights, empty)
-        return _sum_over_k(y, weights, empty).to(out_dtype)
+        return sum_over_k(y, weights, empty).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
         y, weights, empty = ctx.saved_tensors
-        # one dtype: products and sums in it with float32 accumulation; mixed: in float32, rounded once at the end
-        common = y.dtype if y.dtype == grad.dtype == weights.dtype else torch.float32
-        grad, grad_y, grad_weights = grad.to(common), None, None
-        if ctx.needs_input_grad[0]:
-            grad_y = (weights.to(common).unsqueeze(2) * grad.unsqueeze(1)).to(y.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_weights = torch.bmm(y.to(common), grad.unsqueeze(2)).squeeze(2).to(weights.dtype)
-            if empty is not None:
-                grad_weights = grad_weights.masked_fill_(empty, 0)  # a fresh tensor: no copy first
-        return grad_y, grad_weights, None, None
+        return *combine_grads(grad, y, weights, empty, *ctx.needs_input_grad[:2]), None, None
+
+
+def masked_weights(weights: torch.Tensor, empty: torch.Tensor | None) -> torch.Tensor:
+    """The routing weights [T, k] with the empty slots' taken as zero."""
+    return weights if empty is None else weights.masked_fill(empty, 0)
+
+
+def combine_grads(grad: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, empty: torch.Tensor | None,
+                  need_y: bool, need_weights: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of the combine's y [T, k, H] and its (masked) weights [T, k] from the output's ``grad`` [T, H]:
+    each slot's w * grad (one product, rounded once) and each weight's float32 dot product over H (zero for empty
+    slots)."""
+    # one dtype: products and sums in it with float32 accumulation; mixed: in float32, rounded once at the end
+    common = y.dtype if y.dtype == grad.dtype == weights.dtype else torch.float32
+    grad, grad_y, grad_weights = grad.to(common), None, None
+    if need_y:
+        grad_y = (weights.to(common).unsqueeze(2) * grad.unsqueeze(1)).to(y.dtype)
+    if need_weights:
+        grad_weights = torch.bmm(y.to(common), grad.unsqueeze(2)).squeeze(2).to(weights.dtype)
+        if empty is not None:
+            grad_weights = grad_weights.masked_fill_(empty, 0)  # a fresh tensor: no copy first
+    return grad_y, grad_weights
 
 
 def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtype: torch.dtype,
@@ -271,7 +289,7 @@ def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtyp
     y = y.view(T, k, y.shape[-1])
     if takes_grad(y, top_k_weights):
         return _Combine.apply(y, top_k_weights.reshape(T, k), empty, out_dtype)
-    return _sum_over_k(y, top_k_weights.reshape(T, k), empty, rows_zero=empty_rows_zero).to(out_dtype)
+    return sum_over_k(y, top_k_weights.reshape(T, k), empty, rows_zero=empty_rows_zero).to(out_dtype)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -600,7 +600,7 @@ def test_batched_mm_sorted_backward_matches_the_reference(dtype, monkeypatch):
                                      ("hidden_states", "gate_up_proj", "down_proj", "top_k_weights")],
                          ids=lambda t: "+".join(t))
 def test_batched_mm_sorts_once_for_both_projections(trained, monkeypatch):
-    """The CUDA backward path (run on the CPU) sorts the slots once per call, in the forward, when a projection's
+    """The CUDA backward path (run on the CPU) sorts the slots once per call when a projection's
     backward needs them (not for the routing weights' gradient alone), and the gradients match the reference."""
     from moe_shared import reference
     from moe_torch.backends import batched_mm
@@ -618,6 +618,48 @@ def test_batched_mm_sorts_once_for_both_projections(trained, monkeypatch):
     expected = reference.experts_backward(**arrays, grad_output=dy)
     for name in trained:
         assert_close(f"grad_{name}", tensors[name].grad, expected[name], "float32")
+
+
+_TRAINED_SETS = [("hidden_states",), ("top_k_weights",), ("down_proj",), ("gate_up_proj", "top_k_weights"),
+                 ("hidden_states", "gate_up_proj", "down_proj", "top_k_weights")]
+
+
+@pytest.mark.parametrize("trained", _TRAINED_SETS, ids=lambda t: "+".join(t))
+@pytest.mark.parametrize("path", ["cpu", "cuda-sorted", "chunked"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_mm_training_step_is_one_node_with_the_composed_bits(trained, path, dtype, monkeypatch):
+    """Training with a named activation runs as one autograd node whose inputs' gradients go straight to them, and
+    gives the bits of the composed path (each step recorded by autograd) in the forward and every gradient: on the
+    CPU's path, the CUDA one (sorted input gradients, K-grouped weight gradients) and with the gathered weights in
+    chunks; empty slots and an idle expert included."""
+    from moe_torch import base
+    from moe_torch.backends import batched_mm
+
+    if path == "cuda-sorted":
+        monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
+        monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
+    if path == "chunked":
+        monkeypatch.setitem(batched_mm.CHUNK_BYTES, "cpu", 3 * 24 * 16 * 4)  # three slots' weights per bmm
+    arrays, dy = random_case(19, T=11, H=16, I=12, E=6, k=3, bias=False, empty_fraction=0.2)
+    arrays["top_k_index"] = np.where(arrays["top_k_index"] == 4, -1, arrays["top_k_index"])
+    results = []
+    for fused in (True, False):
+        tensors = to_torch(arrays, dtype)
+        for name in trained:
+            tensors[name].requires_grad_()
+        if fused:
+            out = experts_forward(**tensors, implementation="batched_mm")
+            assert type(out.grad_fn).__name__ == "_TrainingStepBackward"
+            leaves = {type(fn).__name__ for fn, _ in out.grad_fn.next_functions if fn is not None}
+            assert leaves == {"AccumulateGrad"}, leaves
+        else:
+            slots = base.Slots(tensors.pop("top_k_index"), arrays["down_proj"].shape[0])
+            out = batched_mm._composed_forward(tensors["hidden_states"], slots, tensors["top_k_weights"],
+                                               tensors["gate_up_proj"], tensors["down_proj"], "silu", None, None)
+        out.backward(to_torch({"g": dy}, dtype)["g"])
+        results.append([out.detach()] + [tensors[name].grad for name in trained])
+    for fused, composed in zip(*results):
+        np.testing.assert_array_equal(fused.float().numpy(), composed.float().numpy())
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])

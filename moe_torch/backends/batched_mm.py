@@ -5,14 +5,16 @@ expert's. On the CPU the slots go through in chunks whose gathered weights stay 
 huge buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one matmul over
 its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient; on CUDA one K-grouped
 ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted rows, on the CPU by
-gathering the weights again in chunks.
+gathering the weights again in chunks. Training with a named activation and no biases runs as one autograd node
+(``_TrainingStep``: the composed path's ops and bits, one node's host cost).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..base import Slots, add_bias, combine, expert_ends, gate, sort_keys, takes_grad, unsort_rows
+from ..base import (ACTIVATIONS, Slots, add_bias, combine, combine_grads, expert_ends, gate, gate_grad,
+                    masked_weights, sort_keys, sum_over_k, takes_grad, unsort_rows)
 from .grouped_mm import grouped_linear, grouped_weight_grad
 
 NAME = "batched_mm"
@@ -59,19 +61,34 @@ class _SortedSlots:
         return t.index_select(0, self.order)
 
 
-def _table_grad(grad_rows: torch.Tensor, x: torch.Tensor, slots: _SortedSlots) -> torch.Tensor:
-    """sum over the slots s of expert e of grad[s] x[s]^T, for every e ([E, N, K]), from the output gradient's rows
-    in expert order: one matmul per expert over its rows (float32 accumulation, rounded once; zero for an idle
-    expert; no [T*k, N, K] gradient and nothing accumulated across calls; on CUDA one K-grouped F.grouped_mm, see
-    grouped_weight_grad)."""
-    return grouped_weight_grad(grad_rows, slots.rows(x), slots.offs, slots.num_experts)
+def _linear_grads(grad: torch.Tensor, sorted_x: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor,
+                  slots: _SortedSlots | None, need_input: bool, need_table: bool):
+    """The gradients of out[s] = table[ids[s]] @ x[s] from the output gradient [S, N]: (the input's [S, K], the
+    table's [E, N, K]), None where not needed. The output gradient's rows sorted by expert give the table's, and on
+    the devices of ``SORTED_INPUT_GRAD`` the input's too, as one grouped matmul on the table as stored (no gathered
+    weights); elsewhere the input's gathers the weights again, in cache-sized chunks. ``slots``: the slots sorted by
+    expert, needed for the table's gradient and the sorted input gradient; ``sorted_x``: the input's rows in that
+    order, needed for the table's gradient."""
+    grad = grad.contiguous()
+    sorted_input_grad = need_input and grad.device.type in SORTED_INPUT_GRAD
+    grad_rows = slots.rows(grad) if need_table or sorted_input_grad else None
+    grad_x = grad_table = None
+    if need_input:
+        if sorted_input_grad:  # grad[s] @ table[ids[s]] for the sorted rows, back to slot order
+            grad_x = unsort_rows(grouped_linear(grad_rows, table.transpose(1, 2), slots.offs), slots.order)
+        else:
+            grad_x = _slot_products(grad, table, ids, transpose=True)
+    if need_table:
+        grad_table = grouped_weight_grad(grad_rows, sorted_x, slots.offs, slots.num_experts)
+    return grad_x, grad_table
+
+
+def _needs_sort(device: torch.device, need_input: bool, need_table: bool) -> bool:
+    return need_table or (need_input and device.type in SORTED_INPUT_GRAD)
 
 
 class _SlotLinear(torch.autograd.Function):
-    """out[s] = table[ids[s]] @ x[s], keeping no gathered weights for the backward. Backward: the output gradient's
-    rows sorted by expert give the weight gradient, and on the devices of ``SORTED_INPUT_GRAD`` the input gradient
-    too, as one grouped matmul on the weights as stored (no gathered weights at all); elsewhere the input gradient
-    gathers the weights again, in cache-sized chunks."""
+    """out[s] = table[ids[s]] @ x[s], keeping no gathered weights for the backward (see _linear_grads)."""
 
     @staticmethod
     def forward(ctx, x, table, ids, order, offs):
@@ -81,19 +98,11 @@ class _SlotLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, table, ids, order, offs = ctx.saved_tensors
-        grad = grad.contiguous()
-        sorted_input_grad = grad.device.type in SORTED_INPUT_GRAD and ctx.needs_input_grad[0]
-        slots = _SortedSlots(order, offs, table.shape[0]) if ctx.needs_input_grad[1] or sorted_input_grad else None
-        grad_rows = slots.rows(grad) if slots is not None else None
-        grad_x = grad_table = None
-        if ctx.needs_input_grad[0]:
-            if sorted_input_grad:  # grad[s] @ table[ids[s]] for the sorted rows, back to slot order
-                grad_x = unsort_rows(grouped_linear(grad_rows, table.transpose(1, 2), slots.offs), slots.order)
-            else:
-                grad_x = _slot_products(grad, table, ids, transpose=True)
-        if ctx.needs_input_grad[1]:
-            grad_table = _table_grad(grad_rows, x, slots)
-        return grad_x, grad_table, None, None, None
+        need_input, need_table = ctx.needs_input_grad[:2]
+        slots = (_SortedSlots(order, offs, table.shape[0]) if _needs_sort(grad.device, need_input, need_table)
+                 else None)
+        sorted_x = slots.rows(x) if need_table else None
+        return *_linear_grads(grad, sorted_x, table, ids, slots, need_input, need_table), None, None, None
 
 
 def _slot_linear(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, sorted_slots) -> torch.Tensor:
@@ -105,19 +114,96 @@ def _slot_linear(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, sorted
 
 def _first_projection(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slots: Slots,
                       sorted_slots) -> torch.Tensor:
-    """table[ids[s]] @ x[s // k] for every slot s. At inference on one chunk: each token's k gathered matrices as
-    one [k*N, K] matrix times the token's row (no copy of x per slot); else through a row per slot, whose gradient
-    sums a token's k slots in float32 (a sum over k, no scatter)."""
-    T, k, (N, K) = slots.T, slots.k, table.shape[1:]
-    if not takes_grad(x, table) and _chunks(slots.count, table) is None:
+    """table[ids[s]] @ x[s // k] for every slot s; differentiated through a row per slot, whose gradient sums a
+    token's k slots in float32 (a sum over k, no scatter)."""
+    if takes_grad(x, table):
+        return _SlotLinear.apply(_per_slot(x, slots.T, slots.k), table, ids, *sorted_slots)
+    return _token_products(x, table, ids, slots.T, slots.k, per_slot=False)
+
+
+def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: int, k: int,
+                    per_slot: bool) -> torch.Tensor:
+    """table[ids[s]] @ x[s // k] for every slot s, not differentiated. On one chunk and without ``per_slot``: each
+    token's k gathered matrices as one [k*N, K] matrix times the token's row (no copy of x per slot); else a row per
+    slot (the products the differentiated path computes)."""
+    if not per_slot and _chunks(T * k, table) is None:
+        N, K = table.shape[1:]
         return torch.bmm(table[ids].reshape(T, k * N, K), x.unsqueeze(2)).view(T * k, N)
-    return _slot_linear(x.unsqueeze(1).expand(T, k, K).reshape(T * k, K), table, ids, sorted_slots)
+    return _slot_products(_per_slot(x, T, k), table, ids)
+
+
+class _TrainingStep(torch.autograd.Function):
+    """The whole computation as one autograd node, for a string activation without biases: the same ops and the
+    same bits as the composed path (_first_projection, gate, _slot_linear, combine), with one node's host cost
+    instead of eight (training at decode is host-bound). Keeps h = [g; u], act(g), a and y [T*k, ...] (no per-slot
+    copy of x); sorts the slots by expert in the backward, once for both projections."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k):
+        x = hidden_states.to(gate_up_proj.dtype)
+        E, H, I = down_proj.shape
+        need_x, _, need_gate_up = ctx.needs_input_grad[:3]
+        h = _token_products(x, gate_up_proj, ids, T, k, per_slot=need_x or need_gate_up)
+        act = ACTIVATIONS[activation](h[:, :I])
+        a = act * h[:, I:]
+        y = _slot_products(a, down_proj, ids).view(T, k, H)
+        weights = masked_weights(top_k_weights.reshape(T, k), empty)
+        ctx.save_for_backward(x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y)
+        ctx.step = (activation, T, k, hidden_states.dtype, top_k_weights.shape)
+        return sum_over_k(y, weights, empty).to(hidden_states.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y = ctx.saved_tensors
+        activation, T, k, hidden_dtype, weights_shape = ctx.step
+        need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
+        E, H, I = down_proj.shape
+        grad_y, grad_weights = combine_grads(grad, y, weights, empty, need_x or need_gate_up or need_down,
+                                             need_weights)
+        grad_x = grad_gate_up = grad_down = None
+        if grad_y is not None:
+            slots = None
+            if _needs_sort(grad.device, True, need_gate_up or need_down):
+                slots = _SortedSlots(*_SortedSlots.sort(ids, E), E)
+            grad_a, grad_down = _linear_grads(grad_y.view(T * k, H), slots.rows(a) if need_down else None,
+                                              down_proj, ids, slots,
+                                              need_x or need_gate_up, need_down)
+            if grad_a is not None:
+                grad_h = gate_grad(grad_a, h, act, activation, I)
+                # the sorted slots' token rows: the rows of _per_slot(x) in that order, without that copy
+                sorted_x = (x.index_select(0, torch.div(slots.order, k, rounding_mode="floor")) if need_gate_up
+                            else None)
+                grad_x_slots, grad_gate_up = _linear_grads(grad_h, sorted_x, gate_up_proj, ids, slots,
+                                                           need_x, need_gate_up)
+                if grad_x_slots is not None:  # torch sums a half-precision expand's k rows in float32
+                    grad_x = grad_x_slots.view(T, k, x.shape[1]).sum(1).to(hidden_dtype)
+        if grad_weights is not None:
+            grad_weights = grad_weights.reshape(weights_shape)
+        return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None, None, None
+
+
+def _per_slot(x: torch.Tensor, T: int, k: int) -> torch.Tensor:
+    """[T*k, K]: each token's row once per slot."""
+    return x.unsqueeze(1).expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])
 
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
+    slots = Slots(top_k_index, down_proj.shape[0])
+    if (isinstance(activation, str) and gate_up_bias is None and down_bias is None
+            and takes_grad(hidden_states, top_k_weights, gate_up_proj, down_proj)):
+        empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
+        return _TrainingStep.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty,
+                                   activation, slots.T, slots.k)
+    return _composed_forward(hidden_states, slots, top_k_weights, gate_up_proj, down_proj, activation, gate_up_bias,
+                             down_bias)
+
+
+def _composed_forward(hidden_states, slots, top_k_weights, gate_up_proj, down_proj, activation, gate_up_bias,
+                      down_bias):
+    """Inference, and training with biases or a gate callable: one step after the other, autograd recording
+    each."""
     E, H, I = down_proj.shape
-    slots = Slots(top_k_index, E)
     ids = slots.safe_ids
     sorted_slots = (None, None)  # one sort for both projections' backward, where one needs it
     if takes_grad(gate_up_proj, down_proj) or (hidden_states.device.type in SORTED_INPUT_GRAD
