@@ -31,6 +31,11 @@ def device_class(device: torch.device) -> str:
     return _DEVICE_CLASSES.get(device.type, device.type)
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatch when ``t`` already has it (decode is host-bound)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def takes_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records an op on ``tensors``."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -164,7 +169,7 @@ def unsort_rows(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 def expert_ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int32 [E]: the end of each expert's rows among ``sorted_ids`` (rows of ids >= E lie past the last end)."""
     experts = torch.arange(1, num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
-    return torch.searchsorted(sorted_ids, experts).to(torch.int32)
+    return torch.searchsorted(sorted_ids, experts, out_int32=True)
 
 
 class RowGather(torch.autograd.Function):
@@ -268,11 +273,11 @@ def combine_grads(grad: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, em
     slots)."""
     # one dtype: products and sums in it with float32 accumulation; mixed: in float32, rounded once at the end
     common = y.dtype if y.dtype == grad.dtype == weights.dtype else torch.float32
-    grad, grad_y, grad_weights = grad.to(common), None, None
+    grad, grad_y, grad_weights = as_dtype(grad, common), None, None
     if need_y:
-        grad_y = (weights.to(common).unsqueeze(2) * grad.unsqueeze(1)).to(y.dtype)
+        grad_y = as_dtype(as_dtype(weights, common).unsqueeze(2) * grad.unsqueeze(1), y.dtype)
     if need_weights:
-        grad_weights = torch.bmm(y.to(common), grad.unsqueeze(2)).squeeze(2).to(weights.dtype)
+        grad_weights = as_dtype(torch.bmm(as_dtype(y, common), grad.unsqueeze(2)).squeeze(2), weights.dtype)
         if empty is not None:
             grad_weights = grad_weights.masked_fill_(empty, 0)  # a fresh tensor: no copy first
     return grad_y, grad_weights

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import (ACTIVATIONS, Slots, add_bias, combine, combine_grads, expert_ends, gate, gate_grad,
+from ..base import (ACTIVATIONS, Slots, add_bias, as_dtype, combine, combine_grads, expert_ends, gate, gate_grad,
                     masked_weights, sort_keys, sum_over_k, takes_grad, unsort_rows)
 from .grouped_mm import grouped_linear, grouped_weight_grad
 
@@ -140,7 +140,7 @@ class _TrainingStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k):
-        x = hidden_states.to(gate_up_proj.dtype)
+        x = as_dtype(hidden_states, gate_up_proj.dtype)
         E, H, I = down_proj.shape
         need_x, _, need_gate_up = ctx.needs_input_grad[:3]
         h = _token_products(x, gate_up_proj, ids, T, k, per_slot=need_x or need_gate_up)
@@ -176,7 +176,7 @@ class _TrainingStep(torch.autograd.Function):
                 grad_x_slots, grad_gate_up = _linear_grads(grad_h, sorted_x, gate_up_proj, ids, slots,
                                                            need_x, need_gate_up)
                 if grad_x_slots is not None:  # torch sums a half-precision expand's k rows in float32
-                    grad_x = grad_x_slots.view(T, k, x.shape[1]).sum(1).to(hidden_dtype)
+                    grad_x = as_dtype(grad_x_slots.view(T, k, x.shape[1]).sum(1), hidden_dtype)
         if grad_weights is not None:
             grad_weights = grad_weights.reshape(weights_shape)
         return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None, None, None
