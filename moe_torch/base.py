@@ -219,7 +219,7 @@ VECTORIZED_COMBINE_MAX = {"cpu": 2**17, "cuda": 2**24}
 
 
 def sum_over_k(y: torch.Tensor, weights: torch.Tensor, empty: torch.Tensor | None,
-                rows_zero: bool = False) -> torch.Tensor:
+               rows_zero: bool = False) -> torch.Tensor:
     """sum_j weights[:, j] * y[:, j] in float32 for y [T, k, H], the empty slots' terms exactly zero whatever their
     rows and weights hold (``rows_zero``: the caller made their rows zeros, so only their weights are masked). Up to
     VECTORIZED_COMBINE_MAX elements one product, its empty slots' rows zeroed in place, and one sum (three kernels);
