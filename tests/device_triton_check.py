@@ -523,10 +523,13 @@ def _step_flops(step, S):
     return 0
 
 
-def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None):
+def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=STEP_POINTS, which_plans=None):
     """Each step of the inference forward and of the backward (at decode sizes: of the decode plan) timed alone
     (do_bench median), then the GEMM or GEMV steps under the variants of ``variant_kinds``: where the time goes,
-    and which tiles to take. ``tokens``: only the points of these token counts."""
+    and which tiles to take. ``tokens``: only the points of these token counts. ``points``: (shape, T) pairs other
+    than STEP_POINTS, whose GEMM steps get variants whatever T (VARIANT_TOKENS holds for STEP_POINTS only).
+    ``which_plans``: only these plans ("fwd", "bwd", "decode")."""
+    own_points = points is not STEP_POINTS
     import torch
     from triton.testing import do_bench
     import triton
@@ -543,7 +546,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None):
         return lambda: fn[(step.grid,)](*args, *outs, num_warps=step.num_warps, num_stages=step.num_stages,
                                         **step.constants)
 
-    for shape, T in STEP_POINTS:
+    for shape, T in points:
         if tokens is not None and T not in tokens:
             continue
         H, I = SHAPES[shape][:2]
@@ -558,6 +561,9 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None):
             envs = {"fwd": backend.run_plan(_forward_with_decode_limit(problem, 0), dict(base)),
                     "bwd": backend.run_plan(plans.backward_plan(problem), dict(training) | {"dout": dout})}
         for which in envs:
+            if which_plans is not None and which not in which_plans:
+                continue
+
             def measure(label, step, env=envs[which]):
                 ms = do_bench(launcher(step, env), warmup=5, rep=40)
                 flops = _step_flops(step, routed)
@@ -573,7 +579,8 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None):
                    lambda lab=labelled, m=measure: [m(label, step) for label, step in lab])
             for (label, step), kind in itertools.product(labelled, variant_kinds):
                 kernels_of_kind, candidates_of, kind_tokens = VARIANTS[kind]
-                if step.kernel not in kernels_of_kind or (kind_tokens is not None and T not in kind_tokens):
+                if step.kernel not in kernels_of_kind or (kind_tokens is not None and T not in kind_tokens
+                                                          and not own_points):
                     continue
                 key, N, K = STEP_KEYS[label](H, I)
                 candidates = candidates_of(plans.tile_config(problem.device, key, N, K, problem.E, problem.S))
@@ -595,6 +602,16 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None):
 
                 record(results, "step-variants", f"{shape} T={T} {label} ({kind})", variants)
         torch.cuda.empty_cache()
+
+
+def _step_points(text: str) -> tuple[tuple[str, int], ...]:
+    points = []
+    for item in text.split(","):
+        shape, _, tokens = item.partition(":")
+        if shape not in SHAPES or not tokens.isdigit():
+            raise SystemExit(f"--step-points: expected shape:T with a shape of {sorted(SHAPES)}, got {item!r}")
+        points.append((shape, int(tokens)))
+    return tuple(points)
 
 
 # the (kernel, N, K) of each labelled GEMM step of a shape (H, I): the keys of the tile-config table
@@ -1055,8 +1072,10 @@ PARTS = {
     "host": lambda results, args: host_profile(results),
     "launch": lambda results, args: direct_launch_checks(results),
     "decode-threshold": lambda results, args: _decode_threshold_part(results, args.configs_out),
-    "steps": lambda results, args: step_timings(results, tuple(args.variant_kinds.split(",")), args.step_tokens and {
-        int(t) for t in args.step_tokens.split(",")}),
+    "steps": lambda results, args: step_timings(
+        results, tuple(args.variant_kinds.split(",")), args.step_tokens and {int(t) for t in args.step_tokens.split(",")},
+        _step_points(args.step_points) if args.step_points else STEP_POINTS,
+        args.step_plans and set(args.step_plans.split(","))),
     "tune": _tune_part,
 }
 """--parts name -> what it runs (results, args), in the order they run."""
@@ -1070,6 +1089,9 @@ def main():
     p.add_argument("--configs-out", type=Path, default=Path("/tmp/moe-configs"))
     p.add_argument("--variant-kinds", default="gemm,wgrad", help="steps part: which GEMM kinds get variants")
     p.add_argument("--step-tokens", help="steps part: only the points of these token counts (comma-separated)")
+    p.add_argument("--step-points", help="steps part: shape:T pairs instead of STEP_POINTS (comma-separated), "
+                                         "their GEMM steps under variants at any T")
+    p.add_argument("--step-plans", help="steps part: only these plans (fwd, bwd, decode; comma-separated)")
     p.add_argument("--merge-steps", nargs="+", type=Path, metavar="RESULTS",
                    help="no GPU: write the fastest step variants of these --parts steps results into --table")
     p.add_argument("--table", type=Path, default=Path(plans.CONFIG_DIR) / "nvidia-h200.json")

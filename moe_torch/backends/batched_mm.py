@@ -25,7 +25,7 @@ SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient
 def _chunks(slots: int, table: torch.Tensor) -> list[slice] | None:
     """The slot ranges whose gathered weights fit CHUNK_BYTES; None for one range of every slot."""
     limit = CHUNK_BYTES.get(table.device.type)
-    size = slots if limit is None else max(1, limit // max(1, table[0].numel() * table.element_size()))
+    size = slots if limit is None else max(1, limit // max(1, table.shape[1] * table.shape[2] * table.element_size()))
     return None if size >= slots else [slice(start, start + size) for start in range(0, slots, size)]
 
 
