@@ -622,13 +622,22 @@ STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("d
 CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS")
 
 
+MERGE_MARGIN = 0.05  # a variant replaces the step's own config only when this much faster (run-to-run noise)
+
+
 def merge_step_variants(result_files, table_path: Path) -> list[dict]:
     """Write the fastest measured variant of each GEMM step (``--parts steps`` results) into the tile-config table
-    as a ``"timed": "step alone"`` entry, replacing the entry of the same kernel, shape and slot count. Returns the
-    entries written."""
-    best = {}
+    as a ``"timed": "step alone"`` entry, replacing the entry of the same kernel, shape and slot count, where it
+    beats the config the step ran with (timed alone in the same results) by MERGE_MARGIN. Returns the entries
+    written."""
+    best, own = {}, {}
     for path in result_files:
         for r in json.loads(Path(path).read_text())["results"]:
+            if r["kind"] == "steps" and isinstance(r["detail"], list):
+                for t in r["detail"]:
+                    if t.get("ms") is not None and t["step"] in STEP_KEYS:
+                        H, I, E, k = SHAPES[t["shape"]]
+                        own[(*STEP_KEYS[t["step"]](H, I), E, t["T"] * k)] = t["ms"]
             if r["kind"] != "step-variants":
                 continue
             for t in r["detail"]:
@@ -641,6 +650,8 @@ def merge_step_variants(result_files, table_path: Path) -> list[dict]:
                     best[key] = t | {"source": Path(path).name}
     written = []
     for (kernel, N, K, E, slots), t in best.items():
+        if (kernel, N, K, E, slots) in own and t["ms"] > own[kernel, N, K, E, slots] * (1 - MERGE_MARGIN):
+            continue
         config = dict(zip(CONFIG_FIELDS, t["config"]))
         config = {f: v for f, v in config.items() if v is not None}
         if "TMA" in config:

@@ -677,17 +677,21 @@ def test_tuned_tables_hold_tile_configs_the_planner_picks():
 
 def test_merging_step_variants_keeps_the_fastest_per_step(tmp_path):
     """``device_triton_check.py --merge-steps``: the fastest measured variant of each step replaces the table's
-    entry of that kernel, shape and slot count; failed variants and other entries are left alone."""
+    entry of that kernel, shape and slot count where it beats the step's own config by MERGE_MARGIN; failed
+    variants, steps whose variants are not that much faster and other entries are left alone."""
     import device_triton_check as check
     H, I, E, k = check.SHAPES["qwen3-30b-a3b"]
     kept = {"kernel": "gate_up", "N": I, "K": H, "E": E, "slots": 512, "config": {"BM": 16}, "ms": 1.0}
     replaced = {"kernel": "down", "N": H, "K": I, "E": E, "slots": 4096 * k, "config": {"BM": 16}, "ms": 9.0}
+    close = {"kernel": "gate_up", "N": I, "K": H, "E": E, "slots": 4096 * k, "config": {"BM": 32}, "ms": 0.4}
     table = tmp_path / "table.json"
-    table.write_text(json.dumps({"device": "X", "configs": [kept, replaced]}))
+    table.write_text(json.dumps({"device": "X", "configs": [kept, replaced, close]}))
     step = {"shape": "qwen3-30b-a3b", "T": 4096, "step": "down"}
+    own_gate_up = step | {"step": "gate_up", "ms": 0.40, "config": [32, 64, 64, 4, 4, 1, 0, False]}
     results = tmp_path / "steps.json"
     results.write_text(json.dumps({"results": [
-        {"kind": "steps", "detail": [step | {"ms": 0.1, "config": [128, 128, 64, 8, 3, 1, 0, False]}]},
+        {"kind": "steps", "detail": [step | {"ms": 0.5, "config": [16, 128, 64, 8, 3, 1, 0, False]}, own_gate_up]},
+        {"kind": "step-variants", "detail": [own_gate_up | {"ms": 0.39, "config": [64, 64, 64, 4, 4, 8, 0, False]}]},
         {"kind": "step-variants", "detail": [
             step | {"ms": 0.30, "config": [128, 128, 64, 8, 3, 8, 0, False]},
             step | {"ms": 0.27, "config": [128, 256, 64, 8, 3, 8, 1, True]},
@@ -697,6 +701,7 @@ def test_merging_step_variants_keeps_the_fastest_per_step(tmp_path):
     check.merge_step_variants([results], table)
     configs = {(c["kernel"], c["N"], c["K"], c["slots"]): c for c in json.loads(table.read_text())["configs"]}
     assert configs["gate_up", I, H, 512] == kept
+    assert configs["gate_up", I, H, 4096 * k] == close  # 0.39 against its own 0.40 ms: within the margin
     down = configs["down", H, I, 4096 * k]
     assert down["ms"] == 0.27 and down["timed"] == "step alone"
     assert plans.TileConfig(**down["config"]) == plans.TileConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3,
