@@ -165,8 +165,8 @@ class _TrainingStep(torch.autograd.Function):
             slots = None
             if _needs_sort(grad.device, True, need_gate_up or need_down):
                 slots = _SortedSlots(*_SortedSlots.sort(ids, E), E)
-            grad_a, grad_down = _linear_grads(grad_y.view(T * k, H), slots.rows(a) if need_down else None,
-                                              down_proj, ids, slots,
+            sorted_a = slots.rows(a) if need_down else None
+            grad_a, grad_down = _linear_grads(grad_y.view(T * k, H), sorted_a, down_proj, ids, slots,
                                               need_x or need_gate_up, need_down)
             if grad_a is not None:
                 grad_h = gate_grad(grad_a, h, act, activation, I)
