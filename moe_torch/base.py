@@ -55,15 +55,21 @@ class _Gate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, activation, intermediate):
-        act = ACTIVATIONS[activation](h[..., :intermediate])
+        act, out = gate_with_activation(h, activation, intermediate)
         ctx.save_for_backward(h, act)
         ctx.gate = (activation, intermediate)
-        return act * h[..., intermediate:]
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         h, act = ctx.saved_tensors
         return gate_grad(grad, h, act, *ctx.gate), None, None
+
+
+def gate_with_activation(h: torch.Tensor, activation: str, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(g), act(g) * u) for [g; u] = h: the gate's output and what its gradient (gate_grad) reads."""
+    act = ACTIVATIONS[activation](h[..., :intermediate])
+    return act, act * h[..., intermediate:]
 
 
 def gate_grad(grad: torch.Tensor, h: torch.Tensor, act: torch.Tensor, activation: str,

@@ -523,13 +523,13 @@ def _step_flops(step, S):
     return 0
 
 
-def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=STEP_POINTS, which_plans=None):
+def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=STEP_POINTS, which_plans=None,
+                 variants_at_every_point=False):
     """Each step of the inference forward and of the backward (at decode sizes: of the decode plan) timed alone
     (do_bench median), then the GEMM or GEMV steps under the variants of ``variant_kinds``: where the time goes,
-    and which tiles to take. ``tokens``: only the points of these token counts. ``points``: (shape, T) pairs other
-    than STEP_POINTS, whose GEMM steps get variants whatever T (VARIANT_TOKENS holds for STEP_POINTS only).
-    ``which_plans``: only these plans ("fwd", "bwd", "decode")."""
-    own_points = points is not STEP_POINTS
+    and which tiles to take. ``tokens``: only the points of these token counts. ``points``: (shape, T) pairs.
+    ``which_plans``: only these plans ("fwd", "bwd", "decode"). ``variants_at_every_point``: the GEMM variants at
+    every point, not only at VARIANT_TOKENS."""
     import torch
     from triton.testing import do_bench
     import triton
@@ -556,14 +556,12 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
         training = backend.run_plan(plans.forward_plan(problem, training=True), dict(base))
         routed = int(training["starts"][-1])
         if T <= DECODE_STEP_TOKENS:
-            envs = {"decode": backend.run_plan(_forward_with_decode_limit(problem, 1 << 30), dict(base))}
+            runs = {"decode": lambda: backend.run_plan(_forward_with_decode_limit(problem, 1 << 30), dict(base))}
         else:
-            envs = {"fwd": backend.run_plan(_forward_with_decode_limit(problem, 0), dict(base)),
-                    "bwd": backend.run_plan(plans.backward_plan(problem), dict(training) | {"dout": dout})}
+            runs = {"fwd": lambda: backend.run_plan(_forward_with_decode_limit(problem, 0), dict(base)),
+                    "bwd": lambda: backend.run_plan(plans.backward_plan(problem), dict(training) | {"dout": dout})}
+        envs = {which: run() for which, run in runs.items() if which_plans is None or which in which_plans}
         for which in envs:
-            if which_plans is not None and which not in which_plans:
-                continue
-
             def measure(label, step, env=envs[which]):
                 ms = do_bench(launcher(step, env), warmup=5, rep=40)
                 flops = _step_flops(step, routed)
@@ -580,7 +578,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
             for (label, step), kind in itertools.product(labelled, variant_kinds):
                 kernels_of_kind, candidates_of, kind_tokens = VARIANTS[kind]
                 if step.kernel not in kernels_of_kind or (kind_tokens is not None and T not in kind_tokens
-                                                          and not own_points):
+                                                          and not variants_at_every_point):
                     continue
                 key, N, K = STEP_KEYS[label](H, I)
                 candidates = candidates_of(plans.tile_config(problem.device, key, N, K, problem.E, problem.S))
@@ -1086,7 +1084,7 @@ PARTS = {
     "steps": lambda results, args: step_timings(
         results, tuple(args.variant_kinds.split(",")), args.step_tokens and {int(t) for t in args.step_tokens.split(",")},
         _step_points(args.step_points) if args.step_points else STEP_POINTS,
-        args.step_plans and set(args.step_plans.split(","))),
+        args.step_plans and set(args.step_plans.split(",")), variants_at_every_point=bool(args.step_points)),
     "tune": _tune_part,
 }
 """--parts name -> what it runs (results, args), in the order they run."""

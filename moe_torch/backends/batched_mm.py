@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..base import (ACTIVATIONS, Slots, add_bias, as_dtype, combine, combine_grads, expert_ends, gate, gate_grad,
-                    masked_weights, sort_keys, sum_over_k, takes_grad, unsort_rows)
+from ..base import (Slots, add_bias, as_dtype, combine, combine_grads, expert_ends, gate, gate_grad,
+                    gate_with_activation, masked_weights, sort_keys, sum_over_k, takes_grad, unsort_rows)
 from .grouped_mm import grouped_linear, grouped_weight_grad
 
 NAME = "batched_mm"
@@ -144,8 +144,7 @@ class _TrainingStep(torch.autograd.Function):
         E, H, I = down_proj.shape
         need_x, _, need_gate_up = ctx.needs_input_grad[:3]
         h = _token_products(x, gate_up_proj, ids, T, k, per_slot=need_x or need_gate_up)
-        act = ACTIVATIONS[activation](h[:, :I])
-        a = act * h[:, I:]
+        act, a = gate_with_activation(h, activation, I)
         y = _slot_products(a, down_proj, ids).view(T, k, H)
         weights = masked_weights(top_k_weights.reshape(T, k), empty)
         ctx.save_for_backward(x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y)
