@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 _DLPACK_CUDA = 2  # DLPack's kDLCUDA
+_STREAMS: dict[tuple[int, int], object] = {}
 
 
 def torch_module():
@@ -27,11 +28,17 @@ def on_xla_stream(ctx, buffer) -> Iterator[None]:
     if kind != _DLPACK_CUDA:
         yield
         return
-    with torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=torch.device("cuda", index))):
+    key = (ctx.stream, index)
+    if key not in _STREAMS:  # XLA keeps one compute stream per device: one torch object each
+        _STREAMS[key] = torch.cuda.ExternalStream(ctx.stream, device=torch.device("cuda", index))
+    with torch.cuda.stream(_STREAMS[key]):
         yield
 
 
 def views(buffers: Mapping) -> dict:
-    """name -> torch tensor viewing the buffer (no copy)."""
+    """name -> torch tensor viewing the buffer (no copy). The callback runs on XLA's stream, where the buffers are
+    ready, so they are taken as DLPack capsules with no stream handshake (``torch.from_dlpack(buffer)`` looks up
+    torch's current stream for each one: 0.11-0.17 ms for a sonicmoe forward's 15 buffers on the H200, against
+    0.03-0.04)."""
     torch = torch_module()
-    return {name: torch.from_dlpack(b) for name, b in buffers.items()}
+    return {name: torch.from_dlpack(b.__dlpack__()) for name, b in buffers.items()}

@@ -79,17 +79,28 @@ def check_biases(backend: str, rule, intermediate: int, gate_up_bias: bool, down
                          f"kernel tiles 2I by at least {2 * rule['min_I']}), got I = {intermediate}")
 
 
+def beneath_the_op(step):
+    """The Python function a torch custom op (``torch.library.custom_op``) was made from, else ``step`` itself.
+
+    SonicMoE registers each step as a custom op. Both bindings call the steps where torch's dispatcher has nothing
+    to do: inside moe_torch's own opaque op or its eager path with no autograd, or inside a JAX callback. There the
+    op layers (autograd, ADInplaceOrView, the backend's Python wrapper) only add host time: 0.07-0.10 ms per
+    qwen3-30b-a3b forward on the H200 (tests/device_results/nvidia-h200-sonicmoe-host-lean.json)."""
+    return getattr(step, "_init_fn", step)
+
+
 def load_steps(kernels: Mapping[str, str], package: str | None = None) -> SimpleNamespace:
-    """The step functions named in the spec (``step = "module:function"``), imported; with ``package``, from that
-    package in place of the named modules' top-level one (a kernel-hub build of SonicMoE has its own module
-    name). ImportError names every step the package lacks."""
+    """The step functions named in the spec (``step = "module:function"``), imported, each taken from beneath its
+    custom op (``beneath_the_op``); with ``package``, from that package in place of the named modules' top-level
+    one (a kernel-hub build of SonicMoE has its own module name). ImportError names every step the package
+    lacks."""
     found, missing = {}, []
     for step, where in kernels.items():
         module, _, function = where.partition(":")
         if package is not None:
             module = ".".join([package, *module.split(".")[1:]])
         try:
-            found[step] = getattr(importlib.import_module(module), function)
+            found[step] = beneath_the_op(getattr(importlib.import_module(module), function))
         except (ImportError, AttributeError):
             missing.append(f"{module}:{function}")
     if missing:

@@ -1,6 +1,6 @@
 """Where a ``sonicmoe`` forward's host time goes, torch next to JAX (run on the lent H200; not collected by pytest):
 
-    python tests/device_sonicmoe_host.py --out DIR [--tokens 4096] [--calls 50]
+    python tests/device_sonicmoe_host.py --out DIR [--tokens 4096] [--calls 50] [--variants lean,through-ops]
 
 qwen3-30b-a3b shape, bf16 inference forward, the same inputs in both frameworks. Per framework, ``calls`` calls
 issued back to back: the host time per call (torch: until the last launch returns; JAX: until the jitted call
@@ -8,18 +8,24 @@ returns) and the wall time per call once the device is done. Inside each call, w
 torch, buffer allocation and the steps (``moe_shared.sonic_steps.forward``); JAX, the callback as a whole, its
 views of XLA's buffers (``torch_bridge.views``), the stream switch (``torch_bridge.on_xla_stream``) and the steps.
 So a JAX call's extra host time splits into JAX's dispatch, the bridge and the same steps. Writes
-``DIR/sonicmoe-host.json`` and prints a table.
+``DIR/sonicmoe-host.json`` and prints a table. ``--variants`` compares the bindings' way (``lean``: SonicMoE's steps
+called beneath their custom ops, XLA's buffers viewed as DLPack capsules) with the way before (``through-ops``),
+``--rounds`` times, interleaved. With ``--profile``, the timed calls run under cProfile as well, and
+the JSON gains each framework's functions with the most host time (own and cumulative, per call).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import json
 import os
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
@@ -60,11 +66,44 @@ class Timers:
         self.counts.clear()
 
 
+def top_functions(profile: cProfile.Profile, calls: int, count: int = 40) -> dict:
+    """The ``count`` functions with the most own time and with the most cumulative time, in ms per call."""
+    stats = pstats.Stats(profile).stats
+
+    def rows(column: int) -> list:
+        ranked = sorted(stats.items(), key=lambda item: item[1][column], reverse=True)[:count]
+        return [{"function": f"{Path(file).name}:{line}:{name}", "calls": primitive / calls,
+                 "own_ms": own * 1e3 / calls, "cumulative_ms": cumulative * 1e3 / calls}
+                for (file, line, name), (primitive, _, own, cumulative, _) in ranked]
+
+    return {"by_own_time": rows(2), "by_cumulative_time": rows(3)}
+
+
+def torch_trace(torch, call, calls: int) -> dict:
+    """The host-side events (Python ops, CUDA runtime and driver calls) of ``calls`` calls under torch.profiler,
+    by own host time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:40]
+    return {"calls": calls, "by_own_host_time": [
+        {"name": e.key, "count_per_call": e.count / calls, "own_host_us_per_call": e.self_cpu_time_total / calls,
+         "host_us_per_call": e.cpu_time_total / calls} for e in events]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--profile", action="store_true", help="also run the timed calls under cProfile")
+    p.add_argument("--variants", default="lean,through-ops",
+                   help="lean: the bindings' way; through-ops: SonicMoE's custom ops and torch.from_dlpack(buffer)")
+    p.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
+    p.add_argument("--trace", type=int, default=0,
+                   help="then this many torch calls (last variant) under torch.profiler: its table of host events")
     args = p.parse_args()
     import jax
     import jax.numpy as jnp
@@ -87,7 +126,13 @@ def main():
     steps_forward = sonic_steps.forward
     sonic_steps.forward = timers.wrap("steps", steps_forward)
     torch_sonic._allocate = timers.wrap("torch: allocate", torch_sonic._allocate)
-    torch_bridge.views = timers.wrap("jax: views", torch_bridge.views)
+    load_steps = sonic_steps.load_steps
+    sonic_steps.load_steps = lambda *a, **kw: SimpleNamespace(**{
+        name: timers.wrap(f"step {name}", step) for name, step in vars(load_steps(*a, **kw)).items()})
+    lean = {"beneath_the_op": sonic_steps.beneath_the_op, "views": torch_bridge.views}
+    through_ops = {"beneath_the_op": lambda step: step,
+                   "views": lambda buffers: {n: torch.from_dlpack(b) for n, b in buffers.items()}}
+    variants = {"lean": lean, "through-ops": through_ops}
     torch_bridge.on_xla_stream = timers.wrap_context("jax: stream switch", torch_bridge.on_xla_stream)
     forward_callback = jax_sonic._forward_callback
 
@@ -96,40 +141,61 @@ def main():
 
     jax_sonic._forward_callback = timed_callback
 
+    def use(variant: str):
+        """SonicMoE's steps called beneath their custom ops and the buffers viewed as capsules (``lean``, the
+        bindings' way), or through the ops and ``torch.from_dlpack(buffer)`` (``through-ops``, before)."""
+        sonic_steps.beneath_the_op = variants[variant]["beneath_the_op"]
+        torch_bridge.views = timers.wrap("jax: views", variants[variant]["views"])
+        torch_sonic._READY.clear()
+        jax_sonic._READY.clear()
+        return jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="sonicmoe"))
+
     def torch_call():
         return moe_torch.experts_forward(x, ids, w, gate_up, down, implementation="sonicmoe", validate=False)
 
     arrays = [jnp.from_dlpack(t) for t in (x, ids.to(torch.int32), w, gate_up, down)]
-    jitted = jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="sonicmoe"))
-
-    def jax_call():
-        return jitted(*arrays)
-
     results = {}
     with torch.no_grad():
-        for name, call, wait in (("torch", torch_call, lambda r: torch.cuda.synchronize()),
-                                 ("jax", jax_call, lambda r: jax.block_until_ready(r))):
-            for _ in range(3):
-                wait(call())
-            torch.cuda.synchronize()
-            timers.reset()
-            start = time.perf_counter()
-            outs = [call() for _ in range(args.calls)]
-            issued = time.perf_counter()
-            wait(outs[-1])
-            torch.cuda.synchronize()
-            done = time.perf_counter()
-            results[name] = {"host_ms": (issued - start) * 1e3 / args.calls,
-                             "wall_ms": (done - start) * 1e3 / args.calls, "inside": timers.per_call(args.calls)}
-            del outs
+        for round_ in range(args.rounds):
+            for variant in args.variants.split(","):
+                jitted = use(variant)
+                for name, call, wait in (("torch", torch_call, lambda r: torch.cuda.synchronize()),
+                                         ("jax", lambda: jitted(*arrays), lambda r: jax.block_until_ready(r))):
+                    for _ in range(3):
+                        wait(call())
+                    torch.cuda.synchronize()
+                    timers.reset()
+                    profile = cProfile.Profile() if args.profile else contextlib.nullcontext()
+                    start = time.perf_counter()
+                    with profile:
+                        outs = [call() for _ in range(args.calls)]
+                    issued = time.perf_counter()
+                    wait(outs[-1])
+                    torch.cuda.synchronize()
+                    done = time.perf_counter()
+                    result = {"host_ms": (issued - start) * 1e3 / args.calls,
+                              "wall_ms": (done - start) * 1e3 / args.calls, "inside": timers.per_call(args.calls)}
+                    if args.profile:
+                        result["profile"] = top_functions(profile, args.calls)
+                    results[f"{name} {variant} round {round_ + 1}"] = result
+                    del outs
+        if args.trace:
+            results["trace"] = torch_trace(torch, torch_call, args.trace)
     meta = {"torch": torch.__version__, "jax": jax.__version__, "device": torch.cuda.get_device_name(),
-            "tokens": args.tokens, "calls": args.calls, "shape": {"H": H, "I": I, "E": E, "k": K}}
+            "tokens": args.tokens, "calls": args.calls, "shape": {"H": H, "I": I, "E": E, "k": K},
+            "profiled": args.profile, "variants": args.variants, "rounds": args.rounds}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sonicmoe-host.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    for row in results.get("trace", {}).get("by_own_host_time", []):
+        print(f"trace own {row['own_host_us_per_call']:9.1f} us  x{row['count_per_call']:5.1f}  {row['name'][:90]}")
     for name, r in results.items():
-        print(f"{name:6} host {r['host_ms']:.3f} ms/call, wall {r['wall_ms']:.3f} ms/call")
+        if name == "trace":
+            continue
+        print(f"{name:26} host {r['host_ms']:.3f} ms/call, wall {r['wall_ms']:.3f} ms/call")
         for part, v in sorted(r["inside"].items()):
             print(f"    {part:22} {v['ms']:.3f} ms/call ({v['per_call']:.0f}x)")
+        for row in r.get("profile", {}).get("by_own_time", [])[:25]:
+            print(f"    own {row['own_ms']:.4f} cum {row['cumulative_ms']:.4f} x{row['calls']:.0f} {row['function']}")
 
 
 if __name__ == "__main__":

@@ -336,6 +336,28 @@ def test_steps_load_from_the_modules_the_spec_names(monkeypatch):
     assert {name: f() for name, f in vars(steps).items()} == dict(SUPPORT.details["kernels"])
 
 
+@torch.library.custom_op("moe_tests::sonic_step_stand_in", mutates_args={"out"})
+def _step_as_custom_op(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x * 2)
+
+
+def test_steps_are_called_beneath_their_custom_ops(monkeypatch):
+    """SonicMoE's steps are torch custom ops: the bindings call the functions they were made from (no dispatcher
+    layers), and those compute what the op does."""
+    where = dict(SUPPORT.details["kernels"])
+    module = where["up"].partition(":")[0]
+    monkeypatch.setitem(sys.modules, module, SimpleNamespace(**{
+        w.partition(":")[2]: _step_as_custom_op for w in where.values() if w.startswith(module + ":")}))
+    for other in {w.partition(":")[0] for w in where.values()} - {module}:
+        monkeypatch.setitem(sys.modules, other, SimpleNamespace(**{w.partition(":")[2]: len for w in where.values()}))
+    steps = sonic_steps.load_steps(where)
+    assert steps.up is _step_as_custom_op._init_fn and steps.routing is len
+    x, through_op, beneath = torch.arange(4.0), torch.zeros(4), torch.zeros(4)
+    _step_as_custom_op(x, through_op)
+    steps.up(x, beneath)
+    assert torch.equal(beneath, through_op) and torch.equal(beneath, x * 2)
+
+
 def test_buffer_tables():
     T, H, I, E, k = 5, 16, 8, 4, 3
     inference = {b.name: b for b in sonic_steps.forward_buffers(T, H, I, E, k, training=False)}
