@@ -6,15 +6,18 @@ on zero-copy views of XLA's buffers, on XLA's stream), with every buffer allocat
 arguments on the same memory layout, and get the same bits. This module imports neither framework: it only calls
 methods of the tensors it is given and the step functions of ``load_steps`` (SonicMoE's, which import torch).
 
-The steps are those of SonicMoE's fixed-top-k layer (``sonicmoe.functional``): the routing metadata (slots grouped
-by expert, on the device, no host sync), the gate/up grouped GEMM with the token gather and the gated activation
-fused, the down grouped GEMM, and a per-token weighted sum over the k slots (no atomics). The weights are passed as
-they are stored, as strided views: ``gate_up_proj`` [E, 2I, H] is SonicMoE's concatenated ``w1`` (2I, H, E),
-``down_proj`` [E, H, I] its ``w2`` (H, I, E).
+The routing metadata (slots grouped by expert, on the device, no host sync) comes first, from the shared Triton
+kernels of ``moe_shared.kernels`` (``plan.sonic_routing_plan``), which each binding launches as it launches the
+``triton`` backend's (moe_torch: triton's C launcher; moe_jax: ``jax_triton`` calls before the callback): SonicMoE's
+own routing step cost 0.14-0.24 ms of host time per call on the H200, three Python-launched Triton kernels. The
+steps after it are those of SonicMoE's fixed-top-k layer (``sonicmoe.functional``): the gate/up grouped GEMM with the
+token gather and the gated activation fused, the down grouped GEMM, and a per-token weighted sum over the k slots
+(no atomics). The weights are passed as they are stored, as strided views: ``gate_up_proj`` [E, 2I, H] is
+SonicMoE's concatenated ``w1`` (2I, H, E), ``down_proj`` [E, H, I] its ``w2`` (H, I, E).
 
-Empty slots (-1) and out-of-range ids never reach the kernels: such a slot is routed to expert 0 with the routing
-weight 0, so it adds 0 * (a finite expert output) = exactly zero to its token, exactly zero to every weight gradient
-(its activation gradient is scaled by that 0), and its routing-weight gradient is set to zero.
+Empty slots (-1) and out-of-range ids never reach the kernels: the routing gives such a slot a row of expert 0 and
+the routing weight 0, so it adds 0 * (a finite expert output) = exactly zero to its token, exactly zero to every
+weight gradient (its activation gradient is scaled by that 0), and its routing-weight gradient is set to zero.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from .kernels import plan as kernel_plans
+
 WEIGHTS = "weights"  # dtype role: the experts' dtype
 FLOAT32 = "float32"
 INT32 = "int32"
@@ -32,8 +37,11 @@ ACTIVATIONS = {"silu": "swiglu"}
 """The contract's activation -> SonicMoE's gated activation. Its GeGLU uses the tanh form of GELU (the contract's
 is the erf form) and its gated GEMM has no ReGLU, so only silu maps."""
 
-RESIDUALS = ("scores", "offsets", "x_gather", "s_scatter", "s_reverse", "preact")
-"""Forward buffers the backward reads."""
+ROUTING = kernel_plans.SONIC_ROUTING
+"""The routing metadata SonicMoE's steps read (from ``routing``)."""
+
+RESIDUALS = ROUTING + ("preact",)
+"""What the backward reads of the forward: the routing metadata and the pre-activations."""
 
 
 @dataclass(frozen=True)
@@ -43,15 +51,29 @@ class Buffer:
     dtype: str  # WEIGHTS, FLOAT32 or INT32
 
 
-def forward_buffers(T: int, H: int, I: int, E: int, k: int, training: bool) -> tuple[Buffer, ...]:
-    """Every buffer the forward writes: ``out`` [T, H] first, then the residuals (training), then scratch."""
+def routing_plan(T: int, k: int, E: int) -> kernel_plans.Plan:
+    """The shared Triton kernels' plan that gives ``ROUTING`` from ``ids`` and ``w`` [T*k] (``routing``)."""
+    return kernel_plans.sonic_routing_plan(T, k, E)
+
+
+def routing(env: Mapping) -> dict:
+    """``ROUTING`` from the buffers of ``routing_plan``'s run (its sort's ``starts`` are SonicMoE's offsets)."""
+    return {name: env["starts" if name == "offsets" else name] for name in ROUTING}
+
+
+def routing_buffers(T: int, k: int, E: int) -> tuple[Buffer, ...]:
+    """The ``ROUTING`` buffers ``routing`` gives, in that order."""
     S = T * k
-    residuals = (Buffer("scores", (S,), FLOAT32), Buffer("offsets", (E + 1,), INT32),
-                 Buffer("x_gather", (S,), INT32), Buffer("s_scatter", (S,), INT32), Buffer("s_reverse", (S,), INT32))
+    return (Buffer("scores", (S,), FLOAT32), Buffer("offsets", (E + 1,), INT32), Buffer("x_gather", (S,), INT32),
+            Buffer("s_scatter", (S,), INT32), Buffer("s_reverse", (S,), INT32))
+
+
+def forward_buffers(T: int, H: int, I: int, E: int, k: int, training: bool) -> tuple[Buffer, ...]:
+    """Every buffer the forward steps write: ``out`` [T, H] first, then ``preact`` (training), then scratch."""
+    S = T * k
     preact = (Buffer("preact", (S, 2 * I), WEIGHTS),) if training else ()
-    scratch = (Buffer("expert_ids", (T, k), INT32), Buffer("frequency", (E,), INT32),
-               Buffer("postact", (S, I), WEIGHTS), Buffer("slot_out", (S, H), WEIGHTS))
-    return (Buffer("out", (T, H), WEIGHTS),) + residuals + preact + scratch
+    scratch = (Buffer("postact", (S, I), WEIGHTS), Buffer("slot_out", (S, H), WEIGHTS))
+    return (Buffer("out", (T, H), WEIGHTS),) + preact + scratch
 
 
 GRADIENTS = ("dx", "d_scores", "d_gate_up", "d_down", "d_gate_up_bias", "d_down_bias")
@@ -114,23 +136,20 @@ def _valid(ids, E: int):
     return (ids >= 0) & (ids < E)
 
 
-def forward(steps, x, ids, w, gate_up, down, gate_up_bias, down_bias, buffers: Mapping, activation: str) -> None:
+def forward(steps, x, routed: Mapping, k: int, gate_up, down, gate_up_bias, down_bias, buffers: Mapping,
+            activation: str) -> None:
     """Fill ``buffers`` (from ``forward_buffers``; ``preact`` present when training). x [T, H] contiguous in the
-    weights' dtype, ids and w [T, k], weights as stored ([E, 2I, H] and [E, H, I], contiguous)."""
-    T, k = ids.shape
-    E, H, _ = down.shape
-    if T == 0:
+    weights' dtype, ``routed`` the routing metadata (``routing``) of its T*k slots, weights as stored ([E, 2I, H]
+    and [E, H, I], contiguous)."""
+    H = down.shape[1]
+    if x.shape[0] == 0:
         return
-    valid = _valid(ids, E)
-    buffers["expert_ids"].copy_(ids.where(valid, 0))
-    buffers["scores"].copy_(w.where(valid, 0).reshape(-1))
-    steps.routing(buffers["expert_ids"], E, buffers["frequency"], buffers["offsets"], buffers["x_gather"],
-                  buffers["s_scatter"], buffers["s_reverse"])
+    offsets = routed["offsets"]
     preact = buffers.get("preact")
-    steps.up(x, gate_up.permute(1, 2, 0), preact, buffers["postact"], gate_up_bias, buffers["offsets"],
-             buffers["x_gather"], ACTIVATIONS[activation], preact is None, True)
-    steps.down(down.permute(1, 2, 0), buffers["postact"], buffers["slot_out"], down_bias, buffers["offsets"])
-    steps.combine(buffers["slot_out"], buffers["out"], buffers["scores"], buffers["s_reverse"], None, k, H, False)
+    steps.up(x, gate_up.permute(1, 2, 0), preact, buffers["postact"], gate_up_bias, offsets, routed["x_gather"],
+             ACTIVATIONS[activation], preact is None, True)
+    steps.down(down.permute(1, 2, 0), buffers["postact"], buffers["slot_out"], down_bias, offsets)
+    steps.combine(buffers["slot_out"], buffers["out"], routed["scores"], routed["s_reverse"], None, k, H, False)
 
 
 def backward(steps, dout, x, ids, gate_up, down, gate_up_bias, down_bias, residuals: Mapping, buffers: Mapping,

@@ -7,7 +7,8 @@ I multiples of 8, or of 32 for a vector with biases (the same problem; biases ne
 must raise ValueError), and random problems (T = 1,
 64, 300, 2048; -1 slots, out-of-range ids, idle experts, biases) against the float64 reference within the spec's
 tolerance; torch and JAX bit-identical; two torch runs bit-identical; idle experts' weight gradients exactly zero;
-our output next to SonicMoE's own layer function (``moe_general_routing_inputs``) on the same routing.
+our output next to SonicMoE's own layer function (``moe_general_routing_inputs``) on the same routing; the shared
+Triton routing next to SonicMoE's own routing step.
 Compile: torch.compile(fullgraph=True) in the spec's modes for inference and training (reduce-overhead among them;
 a mode the spec leaves out is probed and reported, not claimed; a torch.cuda.graph capture is probed too). Writes ``DIR/sonicmoe.json`` and prints a summary.
 quack autotunes each GEMM at the first call of a shape (minutes for each new shape): with ``--quack-configs first``
@@ -177,14 +178,52 @@ def upstream():
             "theirs_rel_l2": relative_l2(theirs, expected)}
 
 
+def routing(T, k, E):
+    """The shared Triton routing (both bindings) against SonicMoE's own routing step on the same ids, every empty or
+    out-of-range id made expert 0 for SonicMoE's: the offsets must match, and the metadata must be what SonicMoE's
+    step means (``fake_sonicmoe.routing_reference``: the stable order); whether SonicMoE's order within an expert
+    is that same stable one is recorded."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import fake_sonicmoe
+    from moe_jax.backends import sonicmoe as jax_sonic
+    from moe_torch.backends import sonicmoe as torch_sonic
+    from sonicmoe.functional.triton_kernels import TC_topk_router_metadata_triton
+    g = torch.Generator("cuda").manual_seed(T)
+    ids = torch.randint(0, E, (T, k), device="cuda", dtype=torch.int32, generator=g)
+    ids[::3, 0] = -1
+    ids[1::5, -1] = E + 1
+    w = torch.rand(T, k, device="cuda", generator=g).to(torch.bfloat16)
+    ours = torch_sonic._routing(ids, w, E)
+    from_jax = jax.jit(lambda i, v: jax_sonic._routing(i, v, E))(jnp.from_dlpack(ids), jnp.from_dlpack(w))
+    expected = fake_sonicmoe.routing_reference(ids.cpu(), w.cpu(), E)
+    theirs = {n: torch.empty_like(ours[n]) for n in ("offsets", "x_gather", "s_scatter", "s_reverse")}
+    TC_topk_router_metadata_triton(torch.where((ids >= 0) & (ids < E), ids, 0), E, torch.empty(E, device="cuda",
+                                   dtype=torch.int32), theirs["offsets"], theirs["x_gather"], theirs["s_scatter"],
+                                   theirs["s_reverse"])
+    detail = {"offsets_match_sonicmoe": bool(torch.equal(ours["offsets"], theirs["offsets"])),
+              "order_matches_sonicmoe": {n: bool(torch.equal(ours[n], theirs[n])) for n in theirs},
+              "matches_reference": {n: bool(torch.equal(ours[n].cpu(), expected[n].to(ours[n].dtype)))
+                                    for n in expected},
+              "jax_identical": {n: bool(np.array_equal(np.asarray(from_jax[n]), ours[n].cpu().numpy()))
+                                for n in ours}}
+    if not (detail["offsets_match_sonicmoe"] and all(detail["matches_reference"].values())
+            and all(detail["jax_identical"].values())):
+        raise AssertionError(detail)
+    return detail
+
+
 def correctness(results, budget_s):
+    for T, k, E in ((37, 3, 5), (4096, 8, 128)):
+        record(results, "routing", f"T={T} k={k} E={E}", lambda t=T, kk=k, e=E: routing(t, kk, e), budget_s)
+    record(results, "upstream", "moe_general_routing_inputs", upstream, budget_s)
     for case in load_cases():
         if case.dtype == "bfloat16":
             record(results, "vector", case.name, lambda c=case: check_vector(c), budget_s)
     for T, E, bias in RANDOM:
         record(results, "random", f"T={T} E={E} bias={bias}", lambda t=T, e=E, b=bias: check_random(t, e, b),
                budget_s)
-    record(results, "upstream", "moe_general_routing_inputs", upstream, budget_s)
 
 
 def compiled(results, budget_s):

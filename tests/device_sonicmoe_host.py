@@ -136,8 +136,8 @@ def main():
     torch_bridge.on_xla_stream = timers.wrap_context("jax: stream switch", torch_bridge.on_xla_stream)
     forward_callback = jax_sonic._forward_callback
 
-    def timed_callback(steps, activation):
-        return timers.wrap("jax: callback", forward_callback(steps, activation))
+    def timed_callback(*args):
+        return timers.wrap("jax: callback", forward_callback(*args))
 
     jax_sonic._forward_callback = timed_callback
 

@@ -2,9 +2,11 @@
 
 Each function takes the arguments of the SonicMoE function the spec names for its step (sonic-moe 0.1.2.post1)
 and fills its output buffers with what that kernel computes, in float32 with the results rounded to the buffers'
-dtype. It checks what SonicMoE needs of its inputs (dtypes, shapes, the weights' strided layout, ids in range), so a
-binding that passed anything else fails here. The pre-activation buffer holds [gate; up] (SonicMoE keeps its own
-interleaved order there; only these steps read it). The real kernels run in tests/device_sonicmoe_check.py.
+dtype. It checks what SonicMoE needs of its inputs (dtypes, shapes, the weights' strided layout, routing metadata
+that gives every slot a row), so a binding that passed anything else fails here. The pre-activation buffer holds
+[gate; up] (SonicMoE keeps its own interleaved order there; only these steps read it). ``routing_reference`` is
+what SonicMoE's own routing step gives, which the shared Triton routing the bindings run must match. The real
+kernels run in tests/device_sonicmoe_check.py.
 """
 
 from __future__ import annotations
@@ -28,22 +30,30 @@ def _weights(w: torch.Tensor, name: str) -> torch.Tensor:
     return stored.float()
 
 
-def routing(topk_ids, E, frequency, offsets, x_gather, s_scatter, s_reverse):
-    assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).long()
-    assert bool(((flat >= 0) & (flat < E)).all()), "SonicMoE faults on ids outside [0, E)"
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=E)
-    frequency.copy_(counts)
-    offsets.copy_(torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
-    s_scatter.copy_(order)
-    x_gather.copy_(order // k)
-    s_reverse.copy_(torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel())))
+def routing_reference(ids, w, E) -> dict:
+    """SonicMoE's routing metadata (as its own routing step gives it) for ``ids`` [T, k], every id outside [0, E)
+    routed to expert 0 with the routing weight 0: the stable order of the slots by expert (``s_scatter``), each
+    sorted row's token, each slot's sorted row, the experts' row offsets and the weights in float32."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    experts = torch.where(valid, flat, 0)
+    order = torch.sort(experts, stable=True).indices
+    counts = torch.bincount(experts, minlength=E)
+    return {"scores": torch.where(valid, w.reshape(-1).float(), 0.0),
+            "offsets": torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int(),
+            "x_gather": (order // k).int(), "s_scatter": order.int(),
+            "s_reverse": torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel())).int()}
+
+
+def _check_routing(offsets, x_gather):
+    assert offsets.dtype == torch.int32 and x_gather.dtype == torch.int32 and int(offsets[0]) == 0
+    assert int(offsets[-1]) == x_gather.numel(), "every slot takes a row of some expert"
 
 
 def up(x, w1, h, a, b1, offsets, x_gather, activation, inference, concat_layout):
     assert activation == "swiglu" and concat_layout and x.is_contiguous()
+    _check_routing(offsets, x_gather)
     assert (h is None) == inference
     gate_up = _weights(w1, "w1")
     experts = _rows(offsets)
@@ -117,6 +127,6 @@ def token_sum(dx, dx_slots, s_reverse, per_token_offsets, k, H, varlen):
 
 
 def steps() -> SimpleNamespace:
-    return SimpleNamespace(routing=routing, up=up, down=down, combine=combine, down_backward=down_backward,
+    return SimpleNamespace(up=up, down=down, combine=combine, down_backward=down_backward,
                            down_backward_weight=down_backward_weight, up_backward=up_backward,
                            up_backward_weight=up_backward_weight, token_sum=token_sum)

@@ -19,7 +19,9 @@ import torch
 import fake_sonicmoe
 import moe_jax
 import moe_torch
+import triton_interpreter
 from moe_jax.backends import sonicmoe as jax_sonic
+from moe_jax.backends import triton as jax_triton_backend
 from moe_shared import reference, registry, relative_l2, requirements, sonic_steps
 from moe_torch.backends import sonicmoe as torch_sonic
 from support import CASES, DIFF_ARGS, SPEC, case_id, padded_arrays, random_case, unpadded_gradients
@@ -48,7 +50,8 @@ def fake(monkeypatch):
     steps = SimpleNamespace(**recorded)
     monkeypatch.setattr(torch_sonic, "runtime", lambda device: steps)
     monkeypatch.setattr(jax_sonic, "runtime", lambda platform: steps)
-    return calls
+    with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):  # the shared routing kernels
+        yield calls
 
 
 def torch_run(arrays, grad_output):
@@ -77,6 +80,28 @@ def test_fake_implements_every_step_the_spec_names():
     assert set(SPEC.backends["sonicmoe"].support("jax").details["kernels"]) == set(SUPPORT.details["kernels"])
 
 
+@pytest.mark.parametrize("T, k, E", [(0, 2, 4), (1, 1, 3), (7, 2, 5), (300, 8, 16), (600, 4, 128)])
+def test_shared_routing_kernels_give_sonicmoes_routing_in_both_frameworks(T, k, E):
+    """The routing metadata of the shared Triton kernels (under the interpreter), through each binding, is what
+    SonicMoE's own routing step gives with every empty or out-of-range slot routed to expert 0 at weight 0; and the
+    same in torch and JAX. 600 * 4 slots take the sort's multi-chunk path."""
+    rng = np.random.default_rng(T + E)
+    ids = rng.integers(0, E, size=(T, k)).astype(np.int32)
+    ids[::3, 0] = -1
+    ids[1::5, -1] = E + 1
+    w = rng.random((T, k)).astype(np.float32)
+    expected = fake_sonicmoe.routing_reference(torch.from_numpy(ids), torch.from_numpy(w), E)
+    from_torch = torch_sonic._routing(torch.from_numpy(ids).long(), torch.from_numpy(w).to(torch.bfloat16), E)
+    with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):
+        from_jax = jax.jit(lambda i, v: jax_sonic._routing(i, v, E))(jnp.asarray(ids), jnp.asarray(w, jnp.bfloat16))
+    for name in sonic_steps.ROUTING:
+        want = expected[name]
+        if name == "scores":
+            want = want.to(torch.bfloat16).float()  # the weights were given in bfloat16
+        np.testing.assert_array_equal(from_torch[name].numpy(), want.numpy(), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(from_jax[name]), want.numpy(), err_msg=name)
+
+
 RANDOM = [dict(T=0, k=2, E=4), dict(T=1, k=2, E=8), dict(T=37, k=3, E=5), dict(T=64, k=8, E=16),
           dict(T=20, k=1, E=3)]
 
@@ -101,8 +126,8 @@ def test_forward_and_gradients_match_reference_and_each_other(fake, shape):
     if shape["T"]:
         empty = cleaned["top_k_index"] < 0
         assert np.all(grads["top_k_weights"][empty] == 0) and np.all(jgrads["top_k_weights"][empty] == 0)
-        assert fake[:4] == ["routing", "up", "down", "combine"]
-        assert fake[4:9] == ["down_backward", "down_backward_weight", "up_backward", "up_backward_weight",
+        assert fake[:3] == ["up", "down", "combine"]
+        assert fake[3:8] == ["down_backward", "down_backward_weight", "up_backward", "up_backward_weight",
                              "token_sum"]
     else:
         assert not fake  # nothing launched for no tokens
@@ -132,7 +157,7 @@ def test_inference_keeps_no_residuals(fake):
     np.testing.assert_array_equal(np.asarray(jout.astype(jnp.float32)), out.float().numpy())
     assert relative_l2(out.float().numpy(), reference.experts_forward(**arrays)) <= TOL
     names = [b.name for b in sonic_steps.forward_buffers(9, 16, 8, 4, 2, training=False)]
-    assert "preact" not in names and fake == ["routing", "up", "down", "combine"] * 2
+    assert "preact" not in names and fake == ["up", "down", "combine"] * 2
 
 
 def test_torch_compile_fullgraph_forward_and_backward(fake):
@@ -219,6 +244,15 @@ def test_unavailable_on_cpu_with_reasons(monkeypatch):
     with pytest.raises(RuntimeError, match=r"runs on \['cuda'\], got a tensor on cpu"):
         torch_sonic.runtime(torch.device("cpu"))
     with pytest.raises(RuntimeError, match=r"runs on \['cuda'\], got the cpu platform"):
+        jax_sonic.runtime("cpu")
+
+
+def test_jax_backend_needs_jax_triton_for_the_routing_kernels(monkeypatch):
+    monkeypatch.setattr(jax_sonic, "_READY", {})
+    monkeypatch.setattr(jax_sonic, "device_class", lambda platform: "cuda")  # past the device check
+    monkeypatch.setitem(sys.modules, "jax_triton", None)
+    with pytest.raises(ImportError, match=r"implementation 'sonicmoe' needs the package 'jax_triton': "
+                                          r"pip install 'moe-experts\[gpu\]'"):
         jax_sonic.runtime("cpu")
 
 
@@ -351,7 +385,7 @@ def test_steps_are_called_beneath_their_custom_ops(monkeypatch):
     for other in {w.partition(":")[0] for w in where.values()} - {module}:
         monkeypatch.setitem(sys.modules, other, SimpleNamespace(**{w.partition(":")[2]: len for w in where.values()}))
     steps = sonic_steps.load_steps(where)
-    assert steps.up is _step_as_custom_op._init_fn and steps.routing is len
+    assert steps.up is _step_as_custom_op._init_fn and steps.token_sum is len
     x, through_op, beneath = torch.arange(4.0), torch.zeros(4), torch.zeros(4)
     _step_as_custom_op(x, through_op)
     steps.up(x, beneath)
@@ -363,7 +397,13 @@ def test_buffer_tables():
     inference = {b.name: b for b in sonic_steps.forward_buffers(T, H, I, E, k, training=False)}
     training = {b.name: b for b in sonic_steps.forward_buffers(T, H, I, E, k, training=True)}
     assert list(training)[0] == "out" and training["out"].shape == (T, H)
-    assert set(sonic_steps.RESIDUALS) <= set(training) and "preact" not in inference
-    assert training["preact"].shape == (T * k, 2 * I) and training["offsets"].shape == (E + 1,)
+    routed = {b.name: b for b in sonic_steps.routing_buffers(T, k, E)}
+    assert set(sonic_steps.RESIDUALS) <= set(training) | set(routed) and "preact" not in inference
+    plan = sonic_steps.routing_plan(T, k, E)  # the buffers the routing kernels create are the ones declared
+    assert list(routed) == list(sonic_steps.ROUTING)
+    for name, b in routed.items():
+        made = plan.buffers["starts" if name == "offsets" else name]
+        assert (made.shape, made.dtype) == (b.shape, b.dtype), name
+    assert training["preact"].shape == (T * k, 2 * I) and routed["offsets"].shape == (E + 1,)
     grads = [b.name for b in sonic_steps.backward_buffers(T, H, I, E, k, True, False)]
     assert grads[:5] == ["dx", "d_scores", "d_gate_up", "d_down", "d_gate_up_bias"] and "d_down_bias" not in grads

@@ -137,7 +137,7 @@ def _routing(ids, monkeypatch, chunk):
     plans.forward_plan.cache_clear()
     T, k = ids.shape
     problem = _problem(T=T, k=k, E=5)
-    route = plans.Plan(tuple(plans._route_steps(problem)), "order")
+    route = plans.Plan(tuple(plans._route_steps(problem.S, problem.E)), "order")
     env = torch_triton_backend.run_plan(route, {"ids": torch.from_numpy(ids).reshape(-1)},
                                         dtypes={plans.WEIGHTS: torch.float32})
     plans.forward_plan.cache_clear()

@@ -1,11 +1,13 @@
 """sonicmoe (JAX): SonicMoE's kernels, the ones moe_torch's ``sonicmoe`` runs, from JAX, forward and backward.
 
-The forward and the backward are one ``jax.experimental.buffer_callback`` each, on XLA's stream: the callback views
-XLA's buffers with ``torch.from_dlpack`` (no copies) and runs ``moe_shared.sonic_steps`` (the same composition of
-SonicMoE's steps as moe_torch, on the same buffer tables) with torch's current stream set to XLA's
-(``moe_jax.torch_bridge``). Every buffer, scratch included, is an output of the callback, so XLA allocates all of
-it. ``jax.custom_vjp`` joins them; the forward under differentiation keeps the residuals the backward reads. Works
-under ``jax.jit``. torch is imported by this backend alone, at its first call.
+The routing metadata comes from the shared Triton kernels (``moe_shared.sonic_steps.routing_plan``, launched with
+``jax_triton`` as the ``triton`` backend launches them); then the forward and the backward are one
+``jax.experimental.buffer_callback`` each, on XLA's stream: the callback views XLA's buffers with DLPack (no copies)
+and runs ``moe_shared.sonic_steps`` (the same composition of SonicMoE's steps as moe_torch, on the same buffer
+tables) with torch's current stream set to XLA's (``moe_jax.torch_bridge``). Every buffer, scratch included, is an
+output of the callback, so XLA allocates all of it. ``jax.custom_vjp`` joins them; the forward under
+differentiation keeps the residuals the backward reads. Works under ``jax.jit``. torch is imported by this backend
+alone, at its first call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from moe_shared.spec import version_tuple
 
 from .. import torch_bridge
 from ..base import device_class, platform_of
+from . import triton as triton_kernels
 
 NAME = "sonicmoe"
 PACKAGE = "sonicmoe"
@@ -38,7 +41,8 @@ def runtime(platform: str) -> SimpleNamespace:
         if device_class(platform) not in SUPPORT.devices:
             raise RuntimeError(f"implementation {NAME!r} runs on {list(SUPPORT.devices)}, got the {platform} platform")
         device = jax.devices(platform)[0]
-        requirements.import_required(NAME, SUPPORT.requires, "torch")
+        for package in ("torch", "jax_triton"):
+            requirements.import_required(NAME, SUPPORT.requires, package)
         module = requirements.load_cuda_package(NAME, SUPPORT.requires, PACKAGE,
                                                 version_tuple(device.compute_capability)[:2],
                                                 f"the {platform} platform ({device.device_kind})")
@@ -55,12 +59,12 @@ def _inputs(**arrays) -> dict:
     return {name: a for name, a in arrays.items() if a is not None}
 
 
-def _forward_callback(steps: SimpleNamespace, activation: str):
-    def callback(ctx, out, inputs):
+def _forward_callback(steps: SimpleNamespace, activation: str, k: int):
+    def callback(ctx, out, inputs, routed):
         with torch_bridge.on_xla_stream(ctx, inputs["x"]):
             t = torch_bridge.views(inputs)
-            sonic_steps.forward(steps, t["x"], t["ids"], t["w"], t["gate_up"], t["down"], t.get("gate_up_bias"),
-                                t.get("down_bias"), torch_bridge.views(out), activation)
+            sonic_steps.forward(steps, t["x"], torch_bridge.views(routed), k, t["gate_up"], t["down"],
+                                t.get("gate_up_bias"), t.get("down_bias"), torch_bridge.views(out), activation)
 
     return callback
 
@@ -76,15 +80,27 @@ def _backward_callback(steps: SimpleNamespace, activation: str):
     return callback
 
 
+def _routing(ids, w, num_experts: int) -> dict:
+    T, k = ids.shape
+    env = triton_kernels.run_plan(sonic_steps.routing_plan(T, k, num_experts),
+                                  {"ids": ids.reshape(-1), "w": w.reshape(-1)}, {})
+    return sonic_steps.routing(env)
+
+
 def _run_forward(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, training: bool) -> dict:
+    """The forward's buffers (``sonic_steps.forward_buffers``) and the routing metadata (``sonic_steps.ROUTING``)."""
     E, H, I = down.shape
-    buffers = sonic_steps.forward_buffers(x.shape[0], H, I, E, ids.shape[1], training)
+    T, k = ids.shape
+    buffers = sonic_steps.forward_buffers(T, H, I, E, k, training)
     types = _result_types(buffers, gate_up.dtype)
-    if x.shape[0] == 0:
-        return {name: jnp.zeros(t.shape, t.dtype) for name, t in types.items()}
-    call = buffer_callback(_forward_callback(runtime(platform_of(gate_up)), activation), types)
-    return call(_inputs(x=x, ids=ids, w=w, gate_up=gate_up, down=down, gate_up_bias=gate_up_bias,
-                        down_bias=down_bias))
+    if T == 0:
+        routed = _result_types(sonic_steps.routing_buffers(T, k, E), gate_up.dtype)
+        return {name: jnp.zeros(t.shape, t.dtype) for name, t in (types | routed).items()}
+    steps = runtime(platform_of(gate_up))
+    routed = _routing(ids, w, E)
+    call = buffer_callback(_forward_callback(steps, activation, k), types)
+    found = call(_inputs(x=x, gate_up=gate_up, down=down, gate_up_bias=gate_up_bias, down_bias=down_bias), routed)
+    return found | routed
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))

@@ -102,8 +102,9 @@ def run_plan(plan: plans.Plan, env: dict, dtypes: dict | None = None) -> dict:
     """Launch every step of ``plan`` on the arrays of ``env`` (buffer name -> array); returns ``env`` with the
     buffers the steps created. A step with an empty grid (no tokens) gives zeros. ``dtypes`` maps the plan's dtype
     roles to JAX dtypes (default: from the experts inputs in ``env``)."""
-    dtypes = {plans.FLOAT32: jnp.float32, plans.INT32: jnp.int32} | (dtypes or {
-        plans.WEIGHTS: env["gate_up"].dtype, plans.HIDDEN: env["x"].dtype, plans.ROUTING: env["w"].dtype})
+    if dtypes is None:
+        dtypes = {plans.WEIGHTS: env["gate_up"].dtype, plans.HIDDEN: env["x"].dtype, plans.ROUTING: env["w"].dtype}
+    dtypes = {plans.FLOAT32: jnp.float32, plans.INT32: jnp.int32} | dtypes
     kernels = _kernels() if any(step.grid for step in plan.steps) else None
     for step in plan.steps:
         shapes = [jax.ShapeDtypeStruct(b.shape, dtypes[b.dtype]) for b in step.outputs]

@@ -1,8 +1,9 @@
 """sonicmoe: SonicMoE's CuTe DSL grouped GEMMs (PyPI sonic-moe with quack-kernels), forward and backward.
 
 Runs ``moe_shared.sonic_steps`` (the composition of SonicMoE's kernel steps that moe_jax's ``sonicmoe`` runs too)
-on buffers allocated here: routing metadata on the device, the gate/up GEMM with the token gather and SwiGLU fused,
-the down GEMM, a per-token weighted sum; the backward gives the gradients of the hidden states, the routing weights,
+on buffers allocated here: routing metadata on the device (the shared Triton kernels, launched as the ``triton``
+backend launches them), the gate/up GEMM with the token gather and SwiGLU fused, the down GEMM, a per-token
+weighted sum; the backward gives the gradients of the hidden states, the routing weights,
 both weight tensors and the biases. The weights are read as stored (``gate_up_proj`` [E, 2I, H] is SonicMoE's
 concatenated layout): no per-call weight copy. The forward and backward are custom ops with fake implementations,
 so ``torch.compile(fullgraph=True)`` takes them as opaque ops (SonicMoE's own layer functions refuse to be
@@ -19,6 +20,7 @@ from moe_shared import load_spec, requirements, sonic_steps
 from moe_shared.contract import check_kernel_inputs
 
 from ..base import dtype_name
+from . import triton as triton_kernels
 
 NAME = "sonicmoe"
 PACKAGE = "sonicmoe"
@@ -50,10 +52,20 @@ def _forward_buffers(x, ids, down, training: bool):
     return sonic_steps.forward_buffers(x.shape[0], H, I, E, ids.shape[1], training)
 
 
+def _routing(ids, w, num_experts: int) -> dict[str, torch.Tensor]:
+    T, k = ids.shape
+    env = triton_kernels.run_plan(sonic_steps.routing_plan(T, k, num_experts),
+                                  {"ids": ids.reshape(-1).contiguous(), "w": w.reshape(-1).contiguous()}, {})
+    return sonic_steps.routing(env)
+
+
 def _forward(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, training) -> dict[str, torch.Tensor]:
+    """The forward's buffers (``sonic_steps.forward_buffers``) and the routing metadata (``sonic_steps.ROUTING``)."""
+    routed = _routing(ids, w, down.shape[0])
     buffers = _allocate(_forward_buffers(x, ids, down, training), gate_up.dtype, x.device)
-    sonic_steps.forward(runtime(x.device), x, ids, w, gate_up, down, gate_up_bias, down_bias, buffers, activation)
-    return buffers
+    sonic_steps.forward(runtime(x.device), x, routed, ids.shape[1], gate_up, down, gate_up_bias, down_bias, buffers,
+                        activation)
+    return buffers | routed
 
 
 @torch.library.custom_op("moe_torch::sonicmoe_experts", mutates_args=())
@@ -86,7 +98,8 @@ def _fakes(buffers, names, weights_dtype, device):
 
 @sonicmoe_experts_train.register_fake
 def _(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
-    return _fakes(_forward_buffers(x, ids, down, True), ("out",) + sonic_steps.RESIDUALS, gate_up.dtype, x.device)
+    buffers = _forward_buffers(x, ids, down, True) + sonic_steps.routing_buffers(*ids.shape, down.shape[0])
+    return _fakes(buffers, ("out",) + sonic_steps.RESIDUALS, gate_up.dtype, x.device)
 
 
 def _backward_buffers(x, ids, down, gate_up_bias, down_bias):

@@ -69,7 +69,7 @@ def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None
     """Launch every step of ``plan`` on the tensors of ``env`` (buffer name -> tensor); returns ``env`` with the
     buffers the steps created. A step with an empty grid (no tokens) leaves its outputs as zeros. ``dtypes`` maps
     the plan's dtype roles to torch dtypes (default: from the experts inputs in ``env``)."""
-    dtypes = _DTYPE_ROLES | (dtypes or _dtypes(env))
+    dtypes = _DTYPE_ROLES | (_dtypes(env) if dtypes is None else dtypes)
     device = next(iter(env.values())).device
     kernels = _kernels() if any(step.grid for step in plan.steps) else None
     if any(step.constants.get("B_DESC") for step in plan.steps):

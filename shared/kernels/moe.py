@@ -3,7 +3,8 @@
 Shape legend: T tokens, H hidden, I intermediate, E experts, k top-k, S = T*k routed slots (token-major: slot s
 belongs to token s // k). Rows "sorted" are slots in expert order: ``order[r]`` is the slot of sorted row r, and
 expert e owns the sorted rows ``starts[e] .. starts[e] + counts[e]``. An id outside [0, E) is an empty slot: it is
-never given a sorted row, never read and never written.
+never given a sorted row, never read and never written (except by the sort with ``EMPTY_TO_FIRST``, for SonicMoE's
+kernels, which cannot skip a slot: there it takes a row of expert 0 at the routing weight 0).
 
 Every kernel takes its arrays first (inputs, then run-time scalars, then outputs) and its tile sizes and shape
 constants as ``tl.constexpr`` keywords, the calling convention of ``jax_triton.triton_call``; the torch binding calls
@@ -22,9 +23,10 @@ B_POINTERS, B_K_ROWS, B_N_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(
 
 
 @triton.jit
-def _expert_key(ids, E: tl.constexpr):
-    """The sort key of a slot: its expert, or E for an empty slot."""
-    return tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+def _expert_key(ids, E: tl.constexpr, EMPTY_TO_FIRST: tl.constexpr):
+    """The sort key of a slot: its expert; for an empty slot E, or with ``EMPTY_TO_FIRST`` expert 0 (kernels that
+    cannot skip a slot: it then takes a row of expert 0, and its routing weight is made zero)."""
+    return tl.where((ids >= 0) & (ids < E), ids, 0 if EMPTY_TO_FIRST else E).to(tl.int32)
 
 
 @triton.jit
@@ -58,25 +60,27 @@ def _activate_with_grad(g, ACTIVATION: tl.constexpr):
 # --- routing: a stable counting sort of the slots by expert, on the device ---------------------------------------
 
 @triton.jit
-def route_histogram_kernel(ids_ptr, S, hist_ptr, E: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr):
+def route_histogram_kernel(ids_ptr, S, hist_ptr, E: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr,
+                           EMPTY_TO_FIRST: tl.constexpr):
     """hist[c, e]: slots of chunk c (CHUNK slots) routed to expert e; bin E counts the empty slots."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     live = offs < S
-    key = _expert_key(tl.load(ids_ptr + offs, mask=live, other=-1), E)
+    key = _expert_key(tl.load(ids_ptr + offs, mask=live, other=-1), E, EMPTY_TO_FIRST)
     tl.store(hist_ptr + c * EB + tl.arange(0, EB), tl.histogram(key, EB, mask=live))
 
 
 @triton.jit
 def route_sort_kernel(ids_ptr, hist_ptr, S, order_ptr, counts_ptr, starts_ptr,
-                      E: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr, SINGLE_CHUNK: tl.constexpr):
+                      E: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr, SINGLE_CHUNK: tl.constexpr,
+                      EMPTY_TO_FIRST: tl.constexpr):
     """order[r]: the slot of sorted row r (stable: slots of one expert keep their order); counts[e]; starts[e]
     (starts[E] = number of routed slots). With SINGLE_CHUNK (S <= CHUNK) ``hist`` is not read."""
     c = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     offs = c * CHUNK + lane
     live = offs < S
-    key = tl.where(live, _expert_key(tl.load(ids_ptr + offs, mask=live, other=-1), E), E + 1)
+    key = tl.where(live, _expert_key(tl.load(ids_ptr + offs, mask=live, other=-1), E, EMPTY_TO_FIRST), E + 1)
     bins = tl.arange(0, EB)
     own = tl.histogram(key, EB)
     if SINGLE_CHUNK:
@@ -101,6 +105,23 @@ def route_sort_kernel(ids_ptr, hist_ptr, S, order_ptr, counts_ptr, starts_ptr,
     if c == 0:
         tl.store(counts_ptr + bins, total, mask=bins < E)
         tl.store(starts_ptr + bins, expert_start, mask=bins <= E)
+
+
+@triton.jit
+def sonic_routing_kernel(order_ptr, ids_ptr, w_ptr, S, x_gather_ptr, s_scatter_ptr, s_reverse_ptr, scores_ptr,
+                         E: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """SonicMoE's routing metadata from a sort with EMPTY_TO_FIRST, for the sorted rows and slots BLOCK * pid ..:
+    x_gather[r] (the token of sorted row r), s_scatter[r] (its slot), s_reverse[s] (the sorted row of slot s) and
+    scores[s] (the slot's routing weight in float32, zero for an empty slot)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < S
+    slot = tl.load(order_ptr + offs, mask=live, other=0)
+    tl.store(x_gather_ptr + offs, slot // TOP_K, mask=live)
+    tl.store(s_scatter_ptr + offs, slot, mask=live)
+    tl.store(s_reverse_ptr + slot, offs, mask=live)
+    ids = tl.load(ids_ptr + offs, mask=live, other=-1)
+    w = tl.load(w_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    tl.store(scores_ptr + offs, tl.where((ids >= 0) & (ids < E), w, 0.0), mask=live)
 
 
 @triton.jit

@@ -192,8 +192,7 @@ def _expert_bins(E: int) -> int:
     return _pow2(E + 2)  # experts, the empty bin E, and the padding bin E + 1
 
 
-def _route_steps(problem: Problem) -> list[Step]:
-    S, E = problem.S, problem.E
+def _route_steps(S: int, E: int, empty_to_first: bool = False) -> list[Step]:
     EB = _expert_bins(E)
     chunk = min(ROUTE_CHUNK, max(16, _pow2(S)))
     chunks = _cdiv(S, chunk)
@@ -201,11 +200,13 @@ def _route_steps(problem: Problem) -> list[Step]:
     steps = []
     if not single:
         steps.append(Step("route_histogram_kernel", chunks, ("ids", S), (Buffer("hist", (chunks * EB,), INT32),),
-                          dict(E=E, CHUNK=chunk, EB=EB), num_warps=4, num_stages=1))
+                          dict(E=E, CHUNK=chunk, EB=EB, EMPTY_TO_FIRST=empty_to_first), num_warps=4,
+                          num_stages=1))
     steps.append(Step("route_sort_kernel", chunks, ("ids", "ids" if single else "hist", S),
                       (Buffer("order", (max(S, 1),), INT32), Buffer("counts", (E,), INT32),
                        Buffer("starts", (E + 1,), INT32)),
-                      dict(E=E, CHUNK=chunk, EB=EB, SINGLE_CHUNK=single), num_warps=4, num_stages=1))
+                      dict(E=E, CHUNK=chunk, EB=EB, SINGLE_CHUNK=single, EMPTY_TO_FIRST=empty_to_first),
+                      num_warps=4, num_stages=1))
     return steps
 
 
@@ -341,7 +342,7 @@ def forward_plan(problem: Problem, *, training: bool = False) -> Plan:
         ]
         return _finish(steps, "out")
     accumulate = not (problem.deterministic or training)
-    steps = _route_steps(problem)
+    steps = _route_steps(problem.S, problem.E)
     steps.append(_gemm(problem, "gate_up", a="x", b="gate_up", N=I, K=H, b_strides=(g_e, g_k, g_n),
                        out=Buffer("act", (S, I), WEIGHTS), stride_am=H, stride_cm=I, a_by_token=True,
                        bias=_bias(problem, "gate_up"), epilogue=GATED_FORWARD,
@@ -398,6 +399,29 @@ def backward_plan(problem: Problem) -> Plan:
                stride_lm=2 * I, stride_rm=H),
     ]
     return _finish(steps, "dx")
+
+
+# --- SonicMoE's routing metadata (the sonicmoe backends run SonicMoE's GEMMs on it) ------------------------------
+
+SONIC_ROUTING = ("scores", "offsets", "x_gather", "s_scatter", "s_reverse")
+"""The buffers of ``sonic_routing_plan`` that SonicMoE's steps read, ``offsets`` [E + 1] being the sort's
+``starts``."""
+
+
+@lru_cache(maxsize=512)
+def sonic_routing_plan(T: int, k: int, E: int) -> Plan:
+    """SonicMoE's routing metadata from ``ids`` and ``w`` [T*k]: the stable sort by expert with every empty slot
+    (an id outside [0, E)) given a row of expert 0, whose routing weight is made zero (SonicMoE's kernels fault on
+    such ids and cannot skip a slot; a zero weight times that row's finite output adds exactly zero to its token
+    and to every gradient). Its buffers: ``SONIC_ROUTING`` (with ``starts`` for ``offsets``), ``counts``."""
+    S = T * k
+    BLOCK = 1024
+    steps = _route_steps(S, E, empty_to_first=True)
+    steps.append(Step("sonic_routing_kernel", _cdiv(S, BLOCK), ("order", "ids", "w", S),
+                      (Buffer("x_gather", (S,), INT32), Buffer("s_scatter", (S,), INT32),
+                       Buffer("s_reverse", (S,), INT32), Buffer("scores", (S,), FLOAT32)),
+                      dict(E=E, TOP_K=k, BLOCK=BLOCK), num_warps=4, num_stages=1))
+    return _finish(steps, "scores")
 
 
 # --- a plain grouped matmul (the JAX grouped_mm backend's kernel on GPU) -----------------------------------------
