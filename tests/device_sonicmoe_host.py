@@ -5,11 +5,13 @@
 qwen3-30b-a3b shape, bf16 inference forward, the same inputs in both frameworks. Per framework, ``calls`` calls
 issued back to back: the host time per call (torch: until the last launch returns; JAX: until the jitted call
 returns) and the wall time per call once the device is done. Inside each call, with timers wrapped around them:
-torch, buffer allocation and the steps (``moe_shared.sonic_steps.forward``); JAX, the callback as a whole, its
-views of XLA's buffers (``torch_bridge.views``), the stream switch (``torch_bridge.on_xla_stream``) and the steps.
+torch, buffer allocation, the steps (``moe_shared.sonic_steps.forward``) and each step; JAX, the callback as a
+whole, its views of XLA's buffers (``torch_bridge.views``), the stream switch (``torch_bridge.on_xla_stream``) and
+the steps.
 So a JAX call's extra host time splits into JAX's dispatch, the bridge and the same steps. Writes
 ``DIR/sonicmoe-host.json`` and prints a table. ``--variants`` compares the bindings' way (``lean``: SonicMoE's steps
-called beneath their custom ops, XLA's buffers viewed as DLPack capsules) with the way before (``through-ops``),
+called beneath their custom ops, XLA's buffers viewed as DLPack capsules) with SonicMoE's steps called through
+their custom ops and ``torch.from_dlpack(buffer)`` views (``through-ops``; the routing is the shared kernels' in both),
 ``--rounds`` times, interleaved. With ``--profile``, the timed calls run under cProfile as well, and
 the JSON gains each framework's functions with the most host time (own and cumulative, per call).
 """
@@ -79,6 +81,17 @@ def top_functions(profile: cProfile.Profile, calls: int, count: int = 40) -> dic
     return {"by_own_time": rows(2), "by_cumulative_time": rows(3)}
 
 
+def qwen3_inputs(tokens: int):
+    """Random qwen3-30b-a3b inputs on the GPU, bf16: x [T, H], ids and w [T, k] (softmax top-k), gate_up, down."""
+    import torch
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w, ids = torch.topk(torch.softmax(torch.randn(tokens, E, device="cuda", generator=g), -1), K, dim=-1)
+    gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * H**-0.5
+    down = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=g) * I**-0.5
+    return x, ids, w.to(torch.bfloat16), gate_up, down
+
+
 def torch_trace(torch, call, calls: int) -> dict:
     """The host-side events (Python ops, CUDA runtime and driver calls) of ``calls`` calls under torch.profiler,
     by own host time."""
@@ -116,12 +129,7 @@ def main():
     from moe_shared import sonic_steps
     from moe_torch.backends import sonicmoe as torch_sonic
 
-    g = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    w, ids = torch.topk(torch.softmax(torch.randn(args.tokens, E, device="cuda", generator=g), -1), K, dim=-1)
-    w = w.to(torch.bfloat16)
-    gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * H**-0.5
-    down = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=g) * I**-0.5
+    x, ids, w, gate_up, down = qwen3_inputs(args.tokens)
     timers = Timers()
     steps_forward = sonic_steps.forward
     sonic_steps.forward = timers.wrap("steps", steps_forward)

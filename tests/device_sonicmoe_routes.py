@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
 
-H, I, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b
+from device_sonicmoe_host import E, H, I, K, qwen3_inputs  # noqa: E402
+
 _TARGETS = itertools.count()
 
 
@@ -99,12 +100,7 @@ def main():
     import moe_torch
     from moe_jax.backends import sonicmoe as jax_sonic
 
-    g = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    w, ids = torch.topk(torch.softmax(torch.randn(args.tokens, E, device="cuda", generator=g), -1), K, dim=-1)
-    w = w.to(torch.bfloat16)
-    gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * H**-0.5
-    down = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=g) * I**-0.5
+    x, ids, w, gate_up, down = qwen3_inputs(args.tokens)
     arrays = [jnp.from_dlpack(t) for t in (x, ids.to(torch.int32), w, gate_up, down)]
     routes = {"buffer_callback": jax_sonic.buffer_callback, "tvm-ffi": ffi_callback}
     jitted = {}

@@ -23,6 +23,7 @@ import triton_interpreter
 from moe_jax.backends import sonicmoe as jax_sonic
 from moe_jax.backends import triton as jax_triton_backend
 from moe_shared import reference, registry, relative_l2, requirements, sonic_steps
+from moe_shared.kernels import plan as kernel_plans
 from moe_torch.backends import sonicmoe as torch_sonic
 from support import CASES, DIFF_ARGS, SPEC, case_id, padded_arrays, random_case, unpadded_gradients
 
@@ -80,11 +81,15 @@ def test_fake_implements_every_step_the_spec_names():
     assert set(SPEC.backends["sonicmoe"].support("jax").details["kernels"]) == set(SUPPORT.details["kernels"])
 
 
-@pytest.mark.parametrize("T, k, E", [(0, 2, 4), (1, 1, 3), (7, 2, 5), (300, 8, 16), (600, 4, 128)])
-def test_shared_routing_kernels_give_sonicmoes_routing_in_both_frameworks(T, k, E):
+@pytest.mark.parametrize("T, k, E, chunk", [(0, 2, 4, 1024), (1, 1, 3, 1024), (7, 2, 5, 1024), (40, 3, 5, 16),
+                                           (9, 8, 128, 1024)])
+def test_shared_routing_kernels_give_sonicmoes_routing_in_both_frameworks(T, k, E, chunk, monkeypatch, request):
     """The routing metadata of the shared Triton kernels (under the interpreter), through each binding, is what
     SonicMoE's own routing step gives with every empty or out-of-range slot routed to expert 0 at weight 0; and the
-    same in torch and JAX. 600 * 4 slots take the sort's multi-chunk path."""
+    same in torch and JAX. Sorting chunks of 16 slots, 40 * 3 slots take the sort's multi-chunk path."""
+    monkeypatch.setattr(kernel_plans, "ROUTE_CHUNK", chunk)
+    kernel_plans.sonic_routing_plan.cache_clear()
+    request.addfinalizer(kernel_plans.sonic_routing_plan.cache_clear)  # no plan of another chunk size outlives it
     rng = np.random.default_rng(T + E)
     ids = rng.integers(0, E, size=(T, k)).astype(np.int32)
     ids[::3, 0] = -1
