@@ -177,6 +177,23 @@ def test_torch_compile_fullgraph_forward_and_backward(fake):
         np.testing.assert_array_equal(ts[name].grad.float().numpy(), g, err_msg=name)
 
 
+def test_eager_training_runs_without_the_op_dispatch_and_compiled_through_the_ops(fake):
+    arrays, _ = random_case(7, T=6, H=16, I=8, E=3, k=2, bias=False)
+    ts = to_torch(arrays, requires_grad=True)
+    eager = torch_sonic.experts_forward(**ts)
+    assert type(eager.grad_fn).__name__ == "_EagerTrainingBackward"
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda **kw: torch_sonic.experts_forward(**kw), fullgraph=True, backend=backend)
+    compiled(**to_torch(arrays, requires_grad=True))
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert "moe_torch.sonicmoe_experts_train.default" in targets, targets
+
+
 def test_custom_ops_schema_and_fake(fake):
     arrays = to_torch(random_case(5, T=12, H=16, I=32, E=3, k=2, bias=True, empty_fraction=0.2)[0])
     args = (arrays["hidden_states"], arrays["top_k_index"], arrays["top_k_weights"], arrays["gate_up_proj"],
