@@ -49,6 +49,26 @@ ACTIVATION_GRADS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 }
 
 
+def op_free_training(forward: Callable, setup_context: Callable, backward: Callable) -> type:
+    """An autograd.Function that runs a training custom op's functions without the op dispatch (eager mode; the same
+    kernels and bits, less host time): ``forward(*inputs)`` gives the op's outputs (the result first),
+    ``setup_context(ctx, inputs, outputs)`` is the one registered with the op, ``backward(ctx, grad)`` gives the
+    inputs' gradients."""
+
+    class OpFreeTraining(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            outputs = forward(*inputs)
+            setup_context(ctx, inputs, outputs)
+            return outputs[0]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(ctx, grad)
+
+    return OpFreeTraining
+
+
 class _Gate(torch.autograd.Function):
     """act(g) * u for [g; u] = h. Backward: [dg, du] as one [..., 2I] gradient from the ops autograd would call (the
     same bits), without its zero-filled [..., 2I] buffer per half and their sum (4 kernels instead of 8)."""

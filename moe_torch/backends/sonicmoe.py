@@ -19,7 +19,7 @@ import torch
 from moe_shared import load_spec, requirements, sonic_steps
 from moe_shared.contract import check_kernel_inputs
 
-from ..base import dtype_name
+from ..base import dtype_name, op_free_training
 from . import triton as triton_kernels
 
 NAME = "sonicmoe"
@@ -159,19 +159,9 @@ def _input_gradients(ctx, dout, backward):
 sonicmoe_experts_train.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerTraining(torch.autograd.Function):
-    """The training forward and backward of the ops above without the op dispatch (eager mode): the same
-    functions, so the same kernels and bits, with less host time per step (as in backend triton)."""
-
-    @staticmethod
-    def forward(ctx, x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
-        outputs = _training_forward(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation)
-        _setup_context(ctx, (x, ids, w, gate_up, down, gate_up_bias, down_bias, activation), outputs)
-        return outputs[0]
-
-    @staticmethod
-    def backward(ctx, dout):
-        return _input_gradients(ctx, dout, _backward_gradients)
+_EagerTraining = op_free_training(_training_forward, _setup_context,
+                                  lambda ctx, dout: _input_gradients(ctx, dout, _backward_gradients))
+"""Training in eager mode: the training ops' functions without the op dispatch."""
 
 
 def check_inputs(gate_up_proj, down_proj, gate_up_bias, down_bias, activation) -> None:
