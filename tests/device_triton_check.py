@@ -1082,7 +1082,8 @@ PARTS = {
     "launch": lambda results, args: direct_launch_checks(results),
     "decode-threshold": lambda results, args: _decode_threshold_part(results, args.configs_out),
     "steps": lambda results, args: step_timings(
-        results, tuple(args.variant_kinds.split(",")), args.step_tokens and {int(t) for t in args.step_tokens.split(",")},
+        results, tuple(args.variant_kinds.split(",")),
+        args.step_tokens and {int(t) for t in args.step_tokens.split(",")},
         _step_points(args.step_points) if args.step_points else STEP_POINTS,
         args.step_plans and set(args.step_plans.split(",")), variants_at_every_point=bool(args.step_points)),
     "tune": _tune_part,

@@ -23,10 +23,16 @@ B_POINTERS, B_K_ROWS, B_N_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(
 
 
 @triton.jit
+def _routed(ids, E: tl.constexpr):
+    """Whether each slot is routed: its id in [0, E)."""
+    return (ids >= 0) & (ids < E)
+
+
+@triton.jit
 def _expert_key(ids, E: tl.constexpr, EMPTY_TO_FIRST: tl.constexpr):
     """The sort key of a slot: its expert; for an empty slot E, or with ``EMPTY_TO_FIRST`` expert 0 (kernels that
     cannot skip a slot: it then takes a row of expert 0, and its routing weight is made zero)."""
-    return tl.where((ids >= 0) & (ids < E), ids, 0 if EMPTY_TO_FIRST else E).to(tl.int32)
+    return tl.where(_routed(ids, E), ids, 0 if EMPTY_TO_FIRST else E).to(tl.int32)
 
 
 @triton.jit
@@ -121,7 +127,7 @@ def sonic_routing_kernel(order_ptr, ids_ptr, w_ptr, S, x_gather_ptr, s_scatter_p
     tl.store(s_reverse_ptr + slot, offs, mask=live)
     ids = tl.load(ids_ptr + offs, mask=live, other=-1)
     w = tl.load(w_ptr + offs, mask=live, other=0.0).to(tl.float32)
-    tl.store(scores_ptr + offs, tl.where((ids >= 0) & (ids < E), w, 0.0), mask=live)
+    tl.store(scores_ptr + offs, tl.where(_routed(ids, E), w, 0.0), mask=live)
 
 
 @triton.jit
@@ -394,7 +400,7 @@ def combine_kernel(y_ptr, ids_ptr, w_ptr, T, out_ptr,
     for j in tl.static_range(TOP_K):
         slots = tokens * TOP_K + j
         expert = tl.load(ids_ptr + slots, mask=t_live, other=-1)
-        valid = (expert >= 0) & (expert < E)
+        valid = _routed(expert, E)
         y = tl.load(y_ptr + slots.to(tl.int64)[:, None] * H + offs[None, :], mask=valid[:, None] & h_live[None, :],
                     other=0.0).to(tl.float32)
         if WEIGHTED:
@@ -416,7 +422,7 @@ def routing_grad_kernel(dout_ptr, y_ptr, ids_ptr, T, dw_ptr,
     for j in tl.static_range(TOP_K):
         slots = tokens * TOP_K + j
         expert = tl.load(ids_ptr + slots, mask=t_live, other=-1)
-        valid = (expert >= 0) & (expert < E)
+        valid = _routed(expert, E)
         acc = tl.zeros([BT, BH], dtype=tl.float32)
         for h0 in range(0, H, BH):
             h_live = offs < H - h0
@@ -484,7 +490,7 @@ def decode_down_combine_kernel(act_ptr, ids_ptr, w_ptr, down_ptr, bias_ptr, T, o
     for j in tl.static_range(TOP_K):
         s = t * TOP_K + j
         expert = tl.load(ids_ptr + s)
-        if (expert >= 0) & (expert < E):
+        if _routed(expert, E):
             acc = tl.zeros([BN], dtype=tl.float32)
             a_row = act_ptr + s.to(tl.int64) * I
             d_rows = down_ptr + expert.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn
