@@ -41,8 +41,8 @@ def runtime(platform: str) -> SimpleNamespace:
         if device_class(platform) not in SUPPORT.devices:
             raise RuntimeError(f"implementation {NAME!r} runs on {list(SUPPORT.devices)}, got the {platform} platform")
         device = jax.devices(platform)[0]
-        for package in ("torch", "jax_triton"):
-            requirements.import_required(NAME, SUPPORT.requires, package)
+        requirements.import_required(NAME, SUPPORT.requires, "torch")
+        triton_kernels.import_jax_triton(NAME, SUPPORT.requires)
         module = requirements.load_cuda_package(NAME, SUPPORT.requires, PACKAGE,
                                                 version_tuple(device.compute_capability)[:2],
                                                 f"the {platform} platform ({device.device_kind})")

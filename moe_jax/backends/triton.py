@@ -12,11 +12,12 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from functools import cache, partial
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 
-from moe_shared import load_spec
+from moe_shared import load_spec, requirements
 from moe_shared.kernels import plan as plans
 
 NAME = "triton"
@@ -26,19 +27,22 @@ Launcher = Callable[[object, plans.Step, list, list], list]
 """(kernel, step, arguments, output ShapeDtypeStructs) -> output arrays."""
 
 
-@cache
-def _jax_triton():
+def import_jax_triton(backend: str, requires) -> ModuleType:
+    """``jax_triton`` for ``backend``'s kernels, with ``TRITON_CACHE_DIR`` left as it was: jax-triton 0.3.1 sets it
+    to "" on import, which turns triton's compile cache off and makes quack's autotune disk cache raise."""
     saved = os.environ.get("TRITON_CACHE_DIR")
     try:
-        import jax_triton  # 0.3.1 sets TRITON_CACHE_DIR="" on import, which turns off triton's compile cache
-    except ImportError as err:
-        raise ImportError(f"the Triton kernels need jax-triton on a CUDA build of jaxlib: "
-                          f"pip install 'moe-experts[gpu]' ({err})") from err
-    if saved is None:
-        os.environ.pop("TRITON_CACHE_DIR", None)
-    else:
-        os.environ["TRITON_CACHE_DIR"] = saved
-    return jax_triton
+        return requirements.import_required(backend, requires, "jax_triton")
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = saved
+
+
+@cache
+def _jax_triton() -> ModuleType:
+    return import_jax_triton(NAME, SUPPORT.requires)
 
 
 def jax_triton_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
