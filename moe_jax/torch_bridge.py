@@ -22,17 +22,20 @@ def torch_module():
 
 @contextlib.contextmanager
 def on_xla_stream(ctx, buffer) -> Iterator[None]:
-    """torch's current stream set to XLA's for the device of ``buffer`` (nothing to set for a host buffer)."""
+    """torch's current stream set to XLA's for the device of ``buffer`` (nothing to set for a host buffer), and
+    autograd off: JAX differentiates through ``custom_vjp``, while a thread's grad mode starts on and would send every
+    torch custom op inside the library through its autograd layer."""
     torch = torch_module()
     kind, index = buffer.__dlpack_device__()
-    if kind != _DLPACK_CUDA:
-        yield
-        return
-    key = (ctx.stream, index)
-    if key not in _STREAMS:  # XLA keeps one compute stream per device: one torch object each
-        _STREAMS[key] = torch.cuda.ExternalStream(ctx.stream, device=torch.device("cuda", index))
-    with torch.cuda.stream(_STREAMS[key]):
-        yield
+    with torch.no_grad():
+        if kind != _DLPACK_CUDA:
+            yield
+            return
+        key = (ctx.stream, index)
+        if key not in _STREAMS:  # XLA keeps one compute stream per device: one torch object each
+            _STREAMS[key] = torch.cuda.ExternalStream(ctx.stream, device=torch.device("cuda", index))
+        with torch.cuda.stream(_STREAMS[key]):
+            yield
 
 
 def views(buffers: Mapping) -> dict:

@@ -166,6 +166,17 @@ def test_inference_keeps_no_residuals(fake):
     assert "preact" not in names and fake == ["up", "down", "combine"] * 2
 
 
+def test_jax_callbacks_run_the_steps_with_autograd_off(monkeypatch):
+    grad_modes = []
+    recording = {name: (lambda f: lambda *a: (grad_modes.append(torch.is_grad_enabled()), f(*a))[1])(f)
+                 for name, f in vars(fake_sonicmoe.steps()).items()}
+    monkeypatch.setattr(jax_sonic, "runtime", lambda platform: SimpleNamespace(**recording))
+    arrays, grad_output = random_case(6, T=5, H=16, I=8, E=3, k=2, bias=False)
+    with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):
+        jax_run(arrays, grad_output)
+    assert torch.is_grad_enabled() and len(grad_modes) > 3 and not any(grad_modes)
+
+
 def test_torch_compile_fullgraph_forward_and_backward(fake):
     arrays, grad_output = random_case(4, T=30, H=16, I=32, E=4, k=2, bias=True, empty_fraction=0.2)
     eager_out, eager_grads = torch_run(arrays, grad_output)
