@@ -12,7 +12,10 @@ So a JAX call's extra host time splits into JAX's dispatch, the bridge and the s
 ``DIR/sonicmoe-host.json`` and prints a table. ``--variants`` compares the bindings' way (``lean``: SonicMoE's steps
 called beneath their custom ops, XLA's buffers viewed as DLPack capsules) with SonicMoE's steps called through
 their custom ops and ``torch.from_dlpack(buffer)`` views (``through-ops``; the routing is the shared kernels' in both),
-``--rounds`` times, interleaved. With ``--profile``, the timed calls run under cProfile as well, and
+or with grad mode on inside JAX's callback (``grad-on``: the bridge before it turned autograd off),
+``--rounds`` times, interleaved. Each series also times 30 calls each alone to the end (``alone_median_ms``, what
+the benchmark's ``ms`` column measures). ``--quack-configs first`` pins every quack GEMM to its first valid
+config (no autotuning on a fresh machine; host-side comparisons only). With ``--profile``, the timed calls run under cProfile as well, and
 the JSON gains each framework's functions with the most host time (own and cumulative, per call).
 """
 
@@ -113,11 +116,16 @@ def main():
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--profile", action="store_true", help="also run the timed calls under cProfile")
     p.add_argument("--variants", default="lean,through-ops",
-                   help="lean: the bindings' way; through-ops: SonicMoE's custom ops and torch.from_dlpack(buffer)")
+                   help="lean: the bindings' way; through-ops: SonicMoE's custom ops and torch.from_dlpack(buffer); "
+                        "grad-on: lean with grad mode on in JAX's callback")
+    p.add_argument("--quack-configs", choices=("first", "tuned"), default="tuned")
     p.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
     p.add_argument("--trace", type=int, default=0,
                    help="then this many torch calls (last variant) under torch.profiler: its table of host events")
     args = p.parse_args()
+    if args.quack_configs == "first":
+        from device_sonicmoe_check import pin_first_quack_configs
+        pin_first_quack_configs()
     import jax
     import jax.numpy as jnp
     import torch
@@ -140,8 +148,15 @@ def main():
     lean = {"beneath_the_op": sonic_steps.beneath_the_op, "views": torch_bridge.views}
     through_ops = {"beneath_the_op": lambda step: step,
                    "views": lambda buffers: {n: torch.from_dlpack(b) for n, b in buffers.items()}}
-    variants = {"lean": lean, "through-ops": through_ops}
-    torch_bridge.on_xla_stream = timers.wrap_context("jax: stream switch", torch_bridge.on_xla_stream)
+    on_xla_stream = torch_bridge.on_xla_stream
+
+    @contextlib.contextmanager
+    def on_xla_stream_grad_on(ctx, buffer):
+        with on_xla_stream(ctx, buffer), torch.enable_grad():
+            yield
+
+    lean["on_xla_stream"] = through_ops["on_xla_stream"] = on_xla_stream
+    variants = {"lean": lean, "through-ops": through_ops, "grad-on": lean | {"on_xla_stream": on_xla_stream_grad_on}}
     forward_callback = jax_sonic._forward_callback
 
     def timed_callback(*args):
@@ -154,6 +169,7 @@ def main():
         bindings' way), or through the ops and ``torch.from_dlpack(buffer)`` (``through-ops``, before)."""
         sonic_steps.beneath_the_op = variants[variant]["beneath_the_op"]
         torch_bridge.views = timers.wrap("jax: views", variants[variant]["views"])
+        torch_bridge.on_xla_stream = timers.wrap_context("jax: stream switch", variants[variant]["on_xla_stream"])
         torch_sonic._READY.clear()
         jax_sonic._READY.clear()
         return jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="sonicmoe"))
@@ -183,15 +199,22 @@ def main():
                     done = time.perf_counter()
                     result = {"host_ms": (issued - start) * 1e3 / args.calls,
                               "wall_ms": (done - start) * 1e3 / args.calls, "inside": timers.per_call(args.calls)}
+                    del outs
+                    alone = []
+                    for _ in range(30):
+                        begin = time.perf_counter()
+                        wait(call())
+                        alone.append(time.perf_counter() - begin)
+                    result["alone_median_ms"] = sorted(alone)[len(alone) // 2] * 1e3
                     if args.profile:
                         result["profile"] = top_functions(profile, args.calls)
                     results[f"{name} {variant} round {round_ + 1}"] = result
-                    del outs
         if args.trace:
             results["trace"] = torch_trace(torch, torch_call, args.trace)
     meta = {"torch": torch.__version__, "jax": jax.__version__, "device": torch.cuda.get_device_name(),
             "tokens": args.tokens, "calls": args.calls, "shape": {"H": H, "I": I, "E": E, "k": K},
-            "profiled": args.profile, "variants": args.variants, "rounds": args.rounds}
+            "profiled": args.profile, "variants": args.variants, "rounds": args.rounds,
+            "quack_configs": args.quack_configs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sonicmoe-host.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     for row in results.get("trace", {}).get("by_own_host_time", []):
@@ -199,7 +222,8 @@ def main():
     for name, r in results.items():
         if name == "trace":
             continue
-        print(f"{name:26} host {r['host_ms']:.3f} ms/call, wall {r['wall_ms']:.3f} ms/call")
+        print(f"{name:26} host {r['host_ms']:.3f} ms/call, wall {r['wall_ms']:.3f} ms/call, "
+              f"alone {r['alone_median_ms']:.3f} ms")
         for part, v in sorted(r["inside"].items()):
             print(f"    {part:22} {v['ms']:.3f} ms/call ({v['per_call']:.0f}x)")
         for row in r.get("profile", {}).get("by_own_time", [])[:25]:
