@@ -4,15 +4,21 @@ A ``jax.experimental.buffer_callback`` hands the callback XLA's buffers and XLA'
 libraries launch on torch's current stream and allocate through torch, so the callback views the buffers with
 ``torch.from_dlpack`` (zero copy) and runs the library with torch's current stream set to XLA's. torch is imported
 at the first call, by the backends that need it alone.
+
+``Replays`` keeps CUDA graphs of a callback's torch work, so that a callback seen again with the same buffers
+replays its kernels instead of running the library's Python (``MOE_JAX_CALLBACK_GRAPHS=0`` turns that off).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 
 _DLPACK_CUDA = 2  # DLPack's kDLCUDA
 _STREAMS: dict[tuple[int, int], object] = {}
+CALLBACK_GRAPHS = os.environ.get("MOE_JAX_CALLBACK_GRAPHS", "1") != "0"
 
 
 def torch_module():
@@ -45,3 +51,54 @@ def views(buffers: Mapping) -> dict:
     0.03-0.04)."""
     torch = torch_module()
     return {name: torch.from_dlpack(b.__dlpack__()) for name, b in buffers.items()}
+
+
+def capture_cuda_graph(work: Callable[[], None]):
+    """A CUDA graph of ``work``'s kernels (captured, not run). ``thread_local``: XLA's other threads may keep
+    launching while this one captures."""
+    torch = torch_module()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        work()
+    return graph
+
+
+class Replays:
+    """CUDA graphs of one callback's torch work, replayed on torch's current stream (XLA's, in the callback).
+
+    The key is XLA's stream and the addresses of every buffer the work reads or writes. A key's first call runs the
+    work directly (lazy set-up such as autotuning and compiling stays out of the capture); its second call captures
+    a graph, and every later call replays it. Only for work that never reads the device from the host (a capture
+    raises where it would), so a graph depends on the addresses alone. At most ``limit`` graphs are kept, the least
+    recently used going first.
+    """
+
+    def __init__(self, limit: int = 8, capture: Callable[[Callable[[], None]], object] = capture_cuda_graph):
+        self.limit, self.capture = limit, capture
+        self.seen: OrderedDict = OrderedDict()
+        self.graphs: OrderedDict = OrderedDict()
+        self.counts = Counter()  # "run", "capture", "replay": what the calls did
+
+    def run(self, ctx, tensors: list, work: Callable[[], None]) -> None:
+        if not CALLBACK_GRAPHS or not all(t.is_cuda for t in tensors):
+            self.counts["run"] += 1
+            work()
+            return
+        key = (ctx.stream, *(t.data_ptr() for t in tensors))
+        if key not in self.graphs:
+            if key not in self.seen:
+                self._keep(self.seen, key, True)
+                self.counts["run"] += 1
+                work()
+                return
+            self.counts["capture"] += 1
+            self._keep(self.graphs, key, self.capture(work))
+        self.counts["replay"] += 1
+        self.graphs.move_to_end(key)
+        self.graphs[key].replay()
+
+    def _keep(self, table: OrderedDict, key, value) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > self.limit:
+            table.popitem(last=False)

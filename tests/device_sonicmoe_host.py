@@ -12,7 +12,9 @@ So a JAX call's extra host time splits into JAX's dispatch, the bridge and the s
 ``DIR/sonicmoe-host.json`` and prints a table. ``--variants`` compares the bindings' way (``lean``: SonicMoE's steps
 called beneath their custom ops, XLA's buffers viewed as DLPack capsules) with SonicMoE's steps called through
 their custom ops and ``torch.from_dlpack(buffer)`` views (``through-ops``; the routing is the shared kernels' in both),
-or with grad mode on inside JAX's callback (``grad-on``: the bridge before it turned autograd off),
+or with grad mode on inside JAX's callback (``grad-on``: the bridge before it turned autograd off), or with no CUDA graphs of the callback's work
+(``no-graphs``; ``torch_bridge.Replays``: the JAX series record how many calls ran, captured and replayed, and
+whether their last output has torch's bits),
 ``--rounds`` times, interleaved. Each series also times 30 calls each alone to the end (``alone_median_ms``, what
 the benchmark's ``ms`` column measures). ``--quack-configs first`` pins every quack GEMM to its first valid
 config (no autotuning on a fresh machine; host-side comparisons only). With ``--profile``, the timed calls run under cProfile as well, and
@@ -28,7 +30,7 @@ import pstats
 import json
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -95,6 +97,33 @@ def qwen3_inputs(tokens: int):
     return x, ids, w.to(torch.bfloat16), gate_up, down
 
 
+def training_check(jax, jnp, moe_jax, torch_bridge, replays, arrays, calls: int) -> dict:
+    """JAX gradients of x, w, gate_up and down, ``calls`` jitted calls each timed alone, with and without the
+    callbacks' CUDA graphs: whether the last gradients have the same bits, what the calls did, the median time."""
+    x, ids, w, gate_up, down = arrays
+    g = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+
+    def loss(x, w, gate_up, down):
+        out = moe_jax.experts_forward(x, ids, w, gate_up, down, implementation="sonicmoe")
+        return (out.astype(jnp.float32) * g).sum()
+
+    found, last = {}, {}
+    for graphs in (False, True):
+        torch_bridge.CALLBACK_GRAPHS = graphs
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+        for r in replays:
+            r.counts.clear()
+        times = []
+        for _ in range(calls):
+            begin = time.perf_counter()
+            last[graphs] = jax.block_until_ready(step(x, w, gate_up, down))
+            times.append(time.perf_counter() - begin)
+        found[f"graphs {graphs}"] = {"median_ms": sorted(times)[len(times) // 2] * 1e3,
+                                     "callback_graphs": dict(sum((r.counts for r in replays), Counter()))}
+    found["identical"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(last[False], last[True]))
+    return found
+
+
 def torch_trace(torch, call, calls: int) -> dict:
     """The host-side events (Python ops, CUDA runtime and driver calls) of ``calls`` calls under torch.profiler,
     by own host time."""
@@ -117,8 +146,10 @@ def main():
     p.add_argument("--profile", action="store_true", help="also run the timed calls under cProfile")
     p.add_argument("--variants", default="lean,through-ops",
                    help="lean: the bindings' way; through-ops: SonicMoE's custom ops and torch.from_dlpack(buffer); "
-                        "grad-on: lean with grad mode on in JAX's callback")
+                        "grad-on: lean with grad mode on in JAX's callback; no-graphs: lean without the callback's CUDA graphs")
     p.add_argument("--quack-configs", choices=("first", "tuned"), default="tuned")
+    p.add_argument("--training-calls", type=int, default=0,
+                   help="then this many JAX gradient calls with and without the callbacks' CUDA graphs")
     p.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
     p.add_argument("--trace", type=int, default=0,
                    help="then this many torch calls (last variant) under torch.profiler: its table of host events")
@@ -156,7 +187,17 @@ def main():
             yield
 
     lean["on_xla_stream"] = through_ops["on_xla_stream"] = on_xla_stream
-    variants = {"lean": lean, "through-ops": through_ops, "grad-on": lean | {"on_xla_stream": on_xla_stream_grad_on}}
+    lean["graphs"] = through_ops["graphs"] = True
+    variants = {"lean": lean, "through-ops": through_ops, "grad-on": lean | {"on_xla_stream": on_xla_stream_grad_on},
+                "no-graphs": lean | {"graphs": False}}
+    replays = []
+
+    class CountedReplays(torch_bridge.Replays):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            replays.append(self)
+
+    torch_bridge.Replays = CountedReplays
     forward_callback = jax_sonic._forward_callback
 
     def timed_callback(*args):
@@ -170,6 +211,7 @@ def main():
         sonic_steps.beneath_the_op = variants[variant]["beneath_the_op"]
         torch_bridge.views = timers.wrap("jax: views", variants[variant]["views"])
         torch_bridge.on_xla_stream = timers.wrap_context("jax: stream switch", variants[variant]["on_xla_stream"])
+        torch_bridge.CALLBACK_GRAPHS = variants[variant]["graphs"]
         torch_sonic._READY.clear()
         jax_sonic._READY.clear()
         return jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="sonicmoe"))
@@ -189,6 +231,8 @@ def main():
                         wait(call())
                     torch.cuda.synchronize()
                     timers.reset()
+                    for r in replays:
+                        r.counts.clear()
                     profile = cProfile.Profile() if args.profile else contextlib.nullcontext()
                     start = time.perf_counter()
                     with profile:
@@ -203,14 +247,23 @@ def main():
                     alone = []
                     for _ in range(30):
                         begin = time.perf_counter()
-                        wait(call())
+                        last = call()
+                        wait(last)
                         alone.append(time.perf_counter() - begin)
                     result["alone_median_ms"] = sorted(alone)[len(alone) // 2] * 1e3
+                    if name == "torch":
+                        torch_out = last
+                    else:
+                        result["identical_to_torch"] = bool(torch.equal(torch.from_dlpack(last), torch_out))
+                        result["callback_graphs"] = dict(sum((r.counts for r in replays), Counter()))
                     if args.profile:
                         result["profile"] = top_functions(profile, args.calls)
                     results[f"{name} {variant} round {round_ + 1}"] = result
         if args.trace:
             results["trace"] = torch_trace(torch, torch_call, args.trace)
+    if args.training_calls:
+        results["training"] = training_check(jax, jnp, moe_jax, torch_bridge, replays, arrays, args.training_calls)
+        print("training", results["training"])
     meta = {"torch": torch.__version__, "jax": jax.__version__, "device": torch.cuda.get_device_name(),
             "tokens": args.tokens, "calls": args.calls, "shape": {"H": H, "I": I, "E": E, "k": K},
             "profiled": args.profile, "variants": args.variants, "rounds": args.rounds,
@@ -220,10 +273,11 @@ def main():
     for row in results.get("trace", {}).get("by_own_host_time", []):
         print(f"trace own {row['own_host_us_per_call']:9.1f} us  x{row['count_per_call']:5.1f}  {row['name'][:90]}")
     for name, r in results.items():
-        if name == "trace":
+        if name in ("trace", "training"):
             continue
         print(f"{name:26} host {r['host_ms']:.3f} ms/call, wall {r['wall_ms']:.3f} ms/call, "
-              f"alone {r['alone_median_ms']:.3f} ms")
+              f"alone {r['alone_median_ms']:.3f} ms, torch's bits {r.get('identical_to_torch', '-')}, "
+              f"graphs {r.get('callback_graphs', '-')}")
         for part, v in sorted(r["inside"].items()):
             print(f"    {part:22} {v['ms']:.3f} ms/call ({v['per_call']:.0f}x)")
         for row in r.get("profile", {}).get("by_own_time", [])[:25]:
