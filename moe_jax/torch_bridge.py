@@ -53,13 +53,24 @@ def views(buffers: Mapping) -> dict:
     return {name: torch.from_dlpack(b.__dlpack__()) for name, b in buffers.items()}
 
 
+_CAPTURE_STREAMS: dict[int, object] = {}
+
+
 def capture_cuda_graph(work: Callable[[], None]):
-    """A CUDA graph of ``work``'s kernels (captured, not run). ``thread_local``: XLA's other threads may keep
-    launching while this one captures."""
+    """A CUDA graph of ``work``'s kernels (captured, not run), on a side stream of the current device.
+    ``torch.cuda.graph`` is not used: it synchronizes the device and empties torch's allocator cache at every
+    capture. ``thread_local``: XLA's other threads may keep launching while this one captures."""
     torch = torch_module()
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        work()
+    with torch.cuda.stream(_CAPTURE_STREAMS[device]):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            work()
+        finally:
+            graph.capture_end()
     return graph
 
 

@@ -16,7 +16,8 @@ or with grad mode on inside JAX's callback (``grad-on``: the bridge before it tu
 (``no-graphs``; ``torch_bridge.Replays``: the JAX series record how many calls ran, captured and replayed, and
 whether their last output has torch's bits),
 ``--rounds`` times, interleaved. Each series also times 30 calls each alone to the end (``alone_median_ms``, what
-the benchmark's ``ms`` column measures). ``--quack-configs first`` pins every quack GEMM to its first valid
+the benchmark's ``ms`` column measures; ``--sets`` input sets in turn, the last output kept alive while the next
+call runs, as the benchmark does). ``--quack-configs first`` pins every quack GEMM to its first valid
 config (no autotuning on a fresh machine; host-side comparisons only). With ``--profile``, the timed calls run under cProfile as well, and
 the JSON gains each framework's functions with the most host time (own and cumulative, per call).
 """
@@ -148,6 +149,8 @@ def main():
                    help="lean: the bindings' way; through-ops: SonicMoE's custom ops and torch.from_dlpack(buffer); "
                         "grad-on: lean with grad mode on in JAX's callback; no-graphs: lean without the callback's CUDA graphs")
     p.add_argument("--quack-configs", choices=("first", "tuned"), default="tuned")
+    p.add_argument("--sets", type=int, default=1,
+                   help="input sets the calls timed alone cycle through (the benchmark's --sets)")
     p.add_argument("--training-calls", type=int, default=0,
                    help="then this many JAX gradient calls with and without the callbacks' CUDA graphs")
     p.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
@@ -216,17 +219,21 @@ def main():
         jax_sonic._READY.clear()
         return jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="sonicmoe"))
 
-    def torch_call():
-        return moe_torch.experts_forward(x, ids, w, gate_up, down, implementation="sonicmoe", validate=False)
+    sets = [(x, ids, w)] + [(x.roll(i, 0), ids.roll(i, 0), w.roll(i, 0)) for i in range(1, args.sets)]
 
-    arrays = [jnp.from_dlpack(t) for t in (x, ids.to(torch.int32), w, gate_up, down)]
+    def torch_call(i: int = 0):
+        xi, idsi, wi = sets[i]
+        return moe_torch.experts_forward(xi, idsi, wi, gate_up, down, implementation="sonicmoe", validate=False)
+
+    jax_sets = [[jnp.from_dlpack(t) for t in (xi, idsi.to(torch.int32), wi, gate_up, down)] for xi, idsi, wi in sets]
+    arrays = jax_sets[0]
     results = {}
     with torch.no_grad():
         for round_ in range(args.rounds):
             for variant in args.variants.split(","):
                 jitted = use(variant)
                 for name, call, wait in (("torch", torch_call, lambda r: torch.cuda.synchronize()),
-                                         ("jax", lambda: jitted(*arrays), lambda r: jax.block_until_ready(r))):
+                                         ("jax", lambda i=0: jitted(*jax_sets[i]), lambda r: jax.block_until_ready(r))):
                     for _ in range(3):
                         wait(call())
                     torch.cuda.synchronize()
@@ -245,9 +252,9 @@ def main():
                               "wall_ms": (done - start) * 1e3 / args.calls, "inside": timers.per_call(args.calls)}
                     del outs
                     alone = []
-                    for _ in range(30):
+                    for i in range(30):
                         begin = time.perf_counter()
-                        last = call()
+                        last = call(i % args.sets)
                         wait(last)
                         alone.append(time.perf_counter() - begin)
                     result["alone_median_ms"] = sorted(alone)[len(alone) // 2] * 1e3
@@ -267,7 +274,7 @@ def main():
     meta = {"torch": torch.__version__, "jax": jax.__version__, "device": torch.cuda.get_device_name(),
             "tokens": args.tokens, "calls": args.calls, "shape": {"H": H, "I": I, "E": E, "k": K},
             "profiled": args.profile, "variants": args.variants, "rounds": args.rounds,
-            "quack_configs": args.quack_configs}
+            "quack_configs": args.quack_configs, "sets": args.sets}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sonicmoe-host.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     for row in results.get("trace", {}).get("by_own_host_time", []):
