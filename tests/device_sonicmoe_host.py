@@ -125,6 +125,37 @@ def training_check(jax, jnp, moe_jax, torch_bridge, replays, arrays, calls: int)
     return found
 
 
+def timeline(torch, call, wait, sets: int, calls: int, path: Path) -> dict:
+    """``calls`` calls each timed alone under torch.profiler, whose CUDA activity records every kernel of the process
+    (XLA's too), each call marked as a host range; the Chrome trace goes to ``path``. Per call (median, us): host
+    start to the first kernel's start, the GPU's idle time between the first kernel and the last, the last kernel's
+    end to the call's return, the kernels' busy time, and the kernel count."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    for i in range(3):
+        wait(call(i % sets))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            with record_function(f"call {i}"):
+                wait(call(i % sets))
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    ranges = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith("call "))
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
+    rows = []
+    for start, end in ranges:
+        inside = [k for k in kernels if start <= k[0] <= end]
+        if not inside:
+            continue
+        busy, reach = 0.0, inside[0][0]
+        for k0, k1 in inside:
+            busy += max(0.0, k1 - max(k0, reach))
+            reach = max(reach, k1)
+        rows.append({"to_first_kernel": inside[0][0] - start, "gpu_idle": reach - inside[0][0] - busy,
+                     "after_last_kernel": end - reach, "busy": busy, "kernels": len(inside), "call": end - start})
+    return {key: sorted(r[key] for r in rows)[len(rows) // 2] for key in rows[0]} if rows else {}
+
+
 def torch_trace(torch, call, calls: int) -> dict:
     """The host-side events (Python ops, CUDA runtime and driver calls) of ``calls`` calls under torch.profiler,
     by own host time."""
@@ -151,6 +182,9 @@ def main():
     p.add_argument("--quack-configs", choices=("first", "tuned"), default="tuned")
     p.add_argument("--sets", type=int, default=1,
                    help="input sets the calls timed alone cycle through (the benchmark's --sets)")
+    p.add_argument("--timeline", type=int, default=0,
+                   help="then this many calls per framework (the last variant) timed alone under torch.profiler: "
+                        "where each call's time goes between host and GPU (DIR/timeline-*.json)")
     p.add_argument("--training-calls", type=int, default=0,
                    help="then this many JAX gradient calls with and without the callbacks' CUDA graphs")
     p.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
@@ -268,6 +302,13 @@ def main():
                     results[f"{name} {variant} round {round_ + 1}"] = result
         if args.trace:
             results["trace"] = torch_trace(torch, torch_call, args.trace)
+        if args.timeline:
+            args.out.mkdir(parents=True, exist_ok=True)
+            results["timeline"] = {
+                name: timeline(torch, call, wait, args.sets, args.timeline, args.out / f"timeline-{name}.json")
+                for name, call, wait in (("torch", torch_call, lambda r: torch.cuda.synchronize()),
+                                         ("jax", lambda i=0: jitted(*jax_sets[i]), jax.block_until_ready))}
+            print("timeline", results["timeline"])
     if args.training_calls:
         results["training"] = training_check(jax, jnp, moe_jax, torch_bridge, replays, arrays, args.training_calls)
         print("training", results["training"])
@@ -280,7 +321,7 @@ def main():
     for row in results.get("trace", {}).get("by_own_host_time", []):
         print(f"trace own {row['own_host_us_per_call']:9.1f} us  x{row['count_per_call']:5.1f}  {row['name'][:90]}")
     for name, r in results.items():
-        if name in ("trace", "training"):
+        if name in ("trace", "training", "timeline"):
             continue
         print(f"{name:26} host {r['host_ms']:.3f} ms/call, wall {r['wall_ms']:.3f} ms/call, "
               f"alone {r['alone_median_ms']:.3f} ms, torch's bits {r.get('identical_to_torch', '-')}, "
