@@ -9,17 +9,22 @@ torch, buffer allocation, the steps (``moe_shared.sonic_steps.forward``) and eac
 whole, its views of XLA's buffers (``torch_bridge.views``), the stream switch (``torch_bridge.on_xla_stream``) and
 the steps.
 So a JAX call's extra host time splits into JAX's dispatch, the bridge and the same steps. Writes
-``DIR/sonicmoe-host.json`` and prints a table. ``--variants`` compares the bindings' way (``lean``: SonicMoE's steps
-called beneath their custom ops, XLA's buffers viewed as DLPack capsules) with SonicMoE's steps called through
-their custom ops and ``torch.from_dlpack(buffer)`` views (``through-ops``; the routing is the shared kernels' in both),
-or with grad mode on inside JAX's callback (``grad-on``: the bridge before it turned autograd off), or with no CUDA graphs of the callback's work
-(``no-graphs``; ``torch_bridge.Replays``: the JAX series record how many calls ran, captured and replayed, and
-whether their last output has torch's bits),
-``--rounds`` times, interleaved. Each series also times 30 calls each alone to the end (``alone_median_ms``, what
-the benchmark's ``ms`` column measures; ``--sets`` input sets in turn, the last output kept alive while the next
-call runs, as the benchmark does). ``--quack-configs first`` pins every quack GEMM to its first valid
-config (no autotuning on a fresh machine; host-side comparisons only). With ``--profile``, the timed calls run under cProfile as well, and
-the JSON gains each framework's functions with the most host time (own and cumulative, per call).
+``DIR/sonicmoe-host.json`` and prints a table.
+
+``--variants`` compares the bindings' way (``lean``: SonicMoE's steps called beneath their custom ops, XLA's buffers
+viewed as DLPack capsules, the callback's CUDA graphs on) with: SonicMoE's steps called through their custom ops and
+``torch.from_dlpack(buffer)`` views (``through-ops``); grad mode on inside JAX's callback (``grad-on``: the bridge
+before it turned autograd off); no CUDA graphs of the callback's work (``no-graphs``). Each is run ``--rounds``
+times, interleaved; the JAX series record how many callback calls ran, captured and replayed
+(``torch_bridge.Replays``) and whether their last output has torch's bits. Each series also times 30 calls each
+alone to the end (``alone_median_ms``, what the benchmark's ``ms`` column measures; ``--sets`` input sets in turn,
+the last output kept alive while the next call runs, as the benchmark does).
+
+``--quack-configs first`` pins every quack GEMM to its first valid config (no autotuning on a fresh machine;
+host-side comparisons only). ``--profile`` also runs the timed calls under cProfile (the JSON gains each framework's
+functions with the most host time); ``--trace N`` gives torch.profiler's table of host events for N torch calls;
+``--timeline N`` splits N calls per framework between host and GPU; ``--training-calls N`` checks and times JAX
+gradients with and without the callback's graphs.
 """
 
 from __future__ import annotations
