@@ -183,7 +183,8 @@ def main():
     p.add_argument("--profile", action="store_true", help="also run the timed calls under cProfile")
     p.add_argument("--variants", default="lean,through-ops",
                    help="lean: the bindings' way; through-ops: SonicMoE's custom ops and torch.from_dlpack(buffer); "
-                        "grad-on: lean with grad mode on in JAX's callback; no-graphs: lean without the callback's CUDA graphs")
+                        "grad-on: lean with grad mode on in JAX's callback; "
+                        "no-graphs: lean without the callback's CUDA graphs")
     p.add_argument("--quack-configs", choices=("first", "tuned"), default="tuned")
     p.add_argument("--sets", type=int, default=1,
                    help="input sets the calls timed alone cycle through (the benchmark's --sets)")
