@@ -60,29 +60,14 @@ def _inputs(**arrays) -> dict:
 
 
 def _forward_callback(steps: SimpleNamespace, activation: str, k: int):
-    replays = torch_bridge.Replays()
-
-    def callback(ctx, out, inputs, routed):
-        with torch_bridge.on_xla_stream(ctx, inputs["x"]):
-            t, r, o = torch_bridge.views(inputs), torch_bridge.views(routed), torch_bridge.views(out)
-            replays.run(ctx, [*t.values(), *r.values(), *o.values()], lambda: sonic_steps.forward(
-                steps, t["x"], r, k, t["gate_up"], t["down"], t.get("gate_up_bias"), t.get("down_bias"), o,
-                activation))
-
-    return callback
+    return torch_bridge.graphed_callback(lambda t, routed, out: sonic_steps.forward(
+        steps, t["x"], routed, k, t["gate_up"], t["down"], t.get("gate_up_bias"), t.get("down_bias"), out, activation))
 
 
 def _backward_callback(steps: SimpleNamespace, activation: str):
-    replays = torch_bridge.Replays()
-
-    def callback(ctx, out, inputs, residuals):
-        with torch_bridge.on_xla_stream(ctx, inputs["x"]):
-            t, r, o = torch_bridge.views(inputs), torch_bridge.views(residuals), torch_bridge.views(out)
-            replays.run(ctx, [*t.values(), *r.values(), *o.values()], lambda: sonic_steps.backward(
-                steps, t["dout"], t["x"], t["ids"], t["gate_up"], t["down"], t.get("gate_up_bias"),
-                t.get("down_bias"), r, o, activation))
-
-    return callback
+    return torch_bridge.graphed_callback(lambda t, residuals, out: sonic_steps.backward(
+        steps, t["dout"], t["x"], t["ids"], t["gate_up"], t["down"], t.get("gate_up_bias"), t.get("down_bias"),
+        residuals, out, activation))
 
 
 def _routing(ids, w, num_experts: int) -> dict:
