@@ -12,6 +12,7 @@ replays its kernels instead of running the library's Python (``MOE_JAX_CALLBACK_
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -74,39 +75,71 @@ def capture_cuda_graph(work: Callable[[], None]):
     return graph
 
 
+def device_addresses(buffers: list) -> list[int] | None:
+    """The device address of each of XLA's buffers (``__cuda_array_interface__``; no view is made), or None for
+    host buffers (the first buffer decides: one callback's buffers live on one device)."""
+    if buffers[0].__dlpack_device__()[0] != _DLPACK_CUDA:
+        return None
+    return [b.__cuda_array_interface__["data"][0] for b in buffers]
+
+
+@functools.cache
+def _cu_graph_launch():
+    import ctypes
+    launch = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+    launch.argtypes, launch.restype = (ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int
+    return launch
+
+
+def launch_graph(graph, stream: int) -> None:
+    """Launch a captured ``torch.cuda.CUDAGraph`` on a raw CUDA stream (XLA's): ``cuGraphLaunch`` of its executable,
+    what ``graph.replay()`` does on torch's current stream, without making that stream torch's first. (The graphs
+    here hold no random-number kernels, whose offsets ``replay`` would advance.)"""
+    status = _cu_graph_launch()(graph.raw_cuda_graph_exec(), stream)
+    if status:
+        raise RuntimeError(f"cuGraphLaunch of a callback's CUDA graph on stream {stream:#x} failed: CUresult {status}")
+
+
 class Replays:
-    """CUDA graphs of one callback's torch work, replayed on torch's current stream (XLA's, in the callback).
+    """CUDA graphs of one callback's torch work, launched on XLA's stream.
 
     The key is XLA's stream and the addresses of every buffer the work reads or writes. A key's first call runs the
     work directly (lazy set-up such as autotuning and compiling stays out of the capture); its second call captures
-    a graph, and every later call replays it. Only for work that never reads the device from the host (a capture
-    raises where it would), so a graph depends on the addresses alone. At most ``limit`` graphs are kept, the least
-    recently used going first.
+    a graph, and every later call replays it (``replay``: from the addresses alone, before any torch view or stream
+    switch is made). Only for work that never reads the device from the host (a capture raises where it would), so
+    a graph depends on the addresses alone. At most ``limit`` graphs are kept, the least recently used going first.
     """
 
-    def __init__(self, limit: int = 8, capture: Callable[[Callable[[], None]], object] = capture_cuda_graph):
-        self.limit, self.capture = limit, capture
+    def __init__(self, limit: int = 16, capture: Callable[[Callable[[], None]], object] = capture_cuda_graph,
+                 launch: Callable[[object, int], None] = launch_graph):
+        self.limit, self.capture, self.launch = limit, capture, launch
         self.seen: OrderedDict = OrderedDict()
         self.graphs: OrderedDict = OrderedDict()
         self.counts = Counter()  # "run", "capture", "replay": what the calls did
 
-    def run(self, ctx, tensors: list, work: Callable[[], None]) -> None:
-        if not CALLBACK_GRAPHS or not all(t.is_cuda for t in tensors):
+    def replay(self, stream: int, addresses: list[int] | None) -> bool:
+        """Launch the graph kept for these addresses on ``stream``; False when there is none (or graphs are off)."""
+        graph = self.graphs.get((stream, *addresses)) if CALLBACK_GRAPHS and addresses is not None else None
+        if graph is None:
+            return False
+        self.graphs.move_to_end((stream, *addresses))
+        self.counts["replay"] += 1
+        self.launch(graph, stream)
+        return True
+
+    def run(self, stream: int, addresses: list[int] | None, work: Callable[[], None]) -> None:
+        """A call ``replay`` could not serve: run ``work`` (a key's first call, host buffers, graphs off), or capture
+        its graph (a key's second call) and launch it."""
+        key = None if not CALLBACK_GRAPHS or addresses is None else (stream, *addresses)
+        if key is None or key not in self.seen:
+            if key is not None:
+                self._keep(self.seen, key, True)
             self.counts["run"] += 1
             work()
             return
-        key = (ctx.stream, *(t.data_ptr() for t in tensors))
-        if key not in self.graphs:
-            if key not in self.seen:
-                self._keep(self.seen, key, True)
-                self.counts["run"] += 1
-                work()
-                return
-            self.counts["capture"] += 1
-            self._keep(self.graphs, key, self.capture(work))
-        self.counts["replay"] += 1
-        self.graphs.move_to_end(key)
-        self.graphs[key].replay()
+        self.counts["capture"] += 1
+        self._keep(self.graphs, key, self.capture(work))
+        self.replay(stream, addresses)
 
     def _keep(self, table: OrderedDict, key, value) -> None:
         table[key] = value
@@ -115,14 +148,20 @@ class Replays:
             table.popitem(last=False)
 
 
-def graphed_callback(body: Callable[[dict, dict, dict], None]) -> Callable:
+def graphed_callback(body: Callable[[dict, dict, dict], None], replays: Replays | None = None) -> Callable:
     """A ``buffer_callback`` callback ``(ctx, out, inputs, more)`` that runs ``body(inputs, more, out)`` on torch views
-    of the three buffer dicts, on XLA's stream with autograd off, kept as CUDA graphs by one ``Replays``."""
-    replays = Replays()
+    of the three buffer dicts, on XLA's stream with autograd off, kept as CUDA graphs by ``replays`` (a new
+    ``Replays`` by default): a call with a graph for its buffers' addresses launches it and makes no view."""
+    replays = Replays() if replays is None else replays
 
     def callback(ctx, out, inputs, more):
-        with on_xla_stream(ctx, next(iter(inputs.values()))):
+        buffers = [*inputs.values(), *more.values(), *out.values()]
+        addresses = device_addresses(buffers) if CALLBACK_GRAPHS else None
+        stream = None if addresses is None else ctx.stream  # a host callback's context has no stream
+        if replays.replay(stream, addresses):
+            return
+        with on_xla_stream(ctx, buffers[0]):
             t, m, o = views(inputs), views(more), views(out)
-            replays.run(ctx, [*t.values(), *m.values(), *o.values()], lambda: body(t, m, o))
+            replays.run(stream, addresses, lambda: body(t, m, o))
 
     return callback

@@ -161,6 +161,47 @@ def timeline(torch, call, wait, sets: int, calls: int, path: Path) -> dict:
     return {key: sorted(r[key] for r in rows)[len(rows) // 2] for key in rows[0]} if rows else {}
 
 
+def routing_apart(jax, jnp, jax_sonic, sonic_steps, torch, jax_sets, n_sets: int, calls: int = 30) -> dict:
+    """The JAX forward timed alone as the backend runs it (routing kernels and callback in one jitted call), and
+    as two jitted calls: the routing alone, and the callback alone on routing made once (so its call has no
+    jax_triton custom call in it). Median ms to the result, and to the call's return."""
+    from jax.experimental.buffer_callback import buffer_callback
+    x, ids, w, gate_up, down = jax_sets[0]
+    E, H, I = down.shape
+    T, k = ids.shape
+    steps = jax_sonic.runtime(jax_sonic.platform_of(gate_up))
+    types = jax_sonic._result_types(sonic_steps.forward_buffers(T, H, I, E, k, False), gate_up.dtype)
+    routing = jax.jit(lambda ids, w: jax_sonic._routing(ids, w, E))
+    routed = routing(ids, w)
+    callback = jax.jit(lambda x, gate_up, down, routed: buffer_callback(
+        jax_sonic._forward_callback(steps, "silu", k), types)(dict(x=x, gate_up=gate_up, down=down), routed)["out"])
+    whole = jax.jit(lambda x, ids, w, gate_up, down: jax_sonic.experts_forward(x, ids, w, gate_up, down))
+    series = {"whole": lambda i: whole(*jax_sets[i]),
+              "routing alone": lambda i: routing(jax_sets[i][1], jax_sets[i][2]),
+              "callback alone": lambda i: callback(jax_sets[i][0], gate_up, down, routed)}
+    found = {}
+    for name, call in series.items():
+        for i in range(6):
+            jax.block_until_ready(call(i % n_sets))
+        times, returned = [], []
+        for i in range(calls):
+            begin = time.perf_counter()
+            result = call(i % n_sets)
+            returned.append(time.perf_counter() - begin)
+            jax.block_until_ready(result)
+            times.append(time.perf_counter() - begin)
+        found[name] = {"ms": sorted(times)[calls // 2] * 1e3, "returned_ms": sorted(returned)[calls // 2] * 1e3}
+    return found
+
+
+def key_summary(keys: list) -> dict:
+    """The forward callback's calls timed alone: how many distinct address sets (graph keys) they had, and per
+    buffer how many distinct addresses."""
+    names = keys[0][0]
+    return {"calls": len(keys), "distinct_keys": len({a for _, a in keys}),
+            "distinct_addresses": {n: len({a[i] for _, a in keys}) for i, n in enumerate(names)}}
+
+
 def torch_trace(torch, call, calls: int) -> dict:
     """The host-side events (Python ops, CUDA runtime and driver calls) of ``calls`` calls under torch.profiler,
     by own host time."""
@@ -184,13 +225,16 @@ def main():
     p.add_argument("--variants", default="lean,through-ops",
                    help="lean: the bindings' way; through-ops: SonicMoE's custom ops and torch.from_dlpack(buffer); "
                         "grad-on: lean with grad mode on in JAX's callback; "
-                        "no-graphs: lean without the callback's CUDA graphs")
+                        "no-graphs: lean without the callback's CUDA graphs; views-replay: graphs replayed after the views "
+                        "and the stream switch (the bridge before); limit-64: lean keeping 64 graphs")
     p.add_argument("--quack-configs", choices=("first", "tuned"), default="tuned")
     p.add_argument("--sets", type=int, default=1,
                    help="input sets the calls timed alone cycle through (the benchmark's --sets)")
     p.add_argument("--timeline", type=int, default=0,
                    help="then this many calls per framework (the last variant) timed alone under torch.profiler: "
                         "where each call's time goes between host and GPU (DIR/timeline-*.json)")
+    p.add_argument("--routing-apart", action="store_true",
+                   help="then the JAX forward as one jitted call, and its routing and its callback as two")
     p.add_argument("--training-calls", type=int, default=0,
                    help="then this many JAX gradient calls with and without the callbacks' CUDA graphs")
     p.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
@@ -232,19 +276,52 @@ def main():
     lean["on_xla_stream"] = through_ops["on_xla_stream"] = on_xla_stream
     lean["graphs"] = through_ops["graphs"] = True
     variants = {"lean": lean, "through-ops": through_ops, "grad-on": lean | {"on_xla_stream": on_xla_stream_grad_on},
-                "no-graphs": lean | {"graphs": False}}
+                "no-graphs": lean | {"graphs": False}, "views-replay": lean | {"views_replay": True},
+                "limit-64": lean | {"limit": 64}}
     replays = []
+    replay_mode = {"limit": 16, "views": False}
+    fast_replay = torch_bridge.Replays.replay
 
     class CountedReplays(torch_bridge.Replays):
+        """Counts what the calls did; in ``views-replay``, replays the way the bridge did before (views made, torch's
+        stream switched, ``graph.replay()``)."""
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            self.limit = replay_mode["limit"]
             replays.append(self)
+
+        def replay(self, stream, addresses):
+            if replay_mode["views"] and not getattr(self, "inside_run", False):
+                return False  # the callback's replay before any view: not in views-replay
+            return fast_replay(self, stream, addresses)
+
+        def run(self, stream, addresses, work):
+            if not replay_mode["views"]:
+                return super().run(stream, addresses, work)
+            self.launch = lambda graph, stream: graph.replay()  # on torch's current stream: XLA's, in the callback
+            self.inside_run = True
+            try:
+                if addresses is None or not self.replay(stream, addresses):
+                    super().run(stream, addresses, work)
+            finally:
+                self.inside_run = False
 
     torch_bridge.Replays = CountedReplays
     forward_callback = jax_sonic._forward_callback
+    keys = []  # per forward callback call while logging: (buffer names, their addresses)
+    logging = {"on": False}
 
     def timed_callback(*args):
-        return timers.wrap("jax: callback", forward_callback(*args))
+        inner = timers.wrap("jax: callback", forward_callback(*args))
+
+        def logged(ctx, out, inputs, more):
+            if logging["on"]:
+                buffers = {**inputs, **more, **out}
+                keys.append((tuple(buffers), tuple(b.__cuda_array_interface__["data"][0] for b in buffers.values())))
+            return inner(ctx, out, inputs, more)
+
+        return logged
 
     jax_sonic._forward_callback = timed_callback
 
@@ -255,6 +332,7 @@ def main():
         torch_bridge.views = timers.wrap("jax: views", variants[variant]["views"])
         torch_bridge.on_xla_stream = timers.wrap_context("jax: stream switch", variants[variant]["on_xla_stream"])
         torch_bridge.CALLBACK_GRAPHS = variants[variant]["graphs"]
+        replay_mode.update(limit=variants[variant].get("limit", 16), views=variants[variant].get("views_replay", False))
         torch_sonic._READY.clear()
         jax_sonic._READY.clear()
         return jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="sonicmoe"))
@@ -291,13 +369,22 @@ def main():
                     result = {"host_ms": (issued - start) * 1e3 / args.calls,
                               "wall_ms": (done - start) * 1e3 / args.calls, "inside": timers.per_call(args.calls)}
                     del outs
-                    alone = []
+                    alone, returned = [], []
                     for i in range(30):
                         begin = time.perf_counter()
                         last = call(i % args.sets)
+                        returned.append(time.perf_counter() - begin)
                         wait(last)
                         alone.append(time.perf_counter() - begin)
                     result["alone_median_ms"] = sorted(alone)[len(alone) // 2] * 1e3
+                    result["alone_returned_median_ms"] = sorted(returned)[len(returned) // 2] * 1e3
+                    if name == "jax":  # the same calls again, the callback's buffer addresses logged
+                        keys.clear()
+                        logging["on"] = True
+                        for i in range(30):
+                            wait(call(i % args.sets))
+                        logging["on"] = False
+                        result["alone_keys"] = key_summary(keys)
                     if name == "torch":
                         torch_out = last
                     else:
@@ -315,6 +402,9 @@ def main():
                 for name, call, wait in (("torch", torch_call, lambda r: torch.cuda.synchronize()),
                                          ("jax", lambda i=0: jitted(*jax_sets[i]), jax.block_until_ready))}
             print("timeline", results["timeline"])
+    if args.routing_apart:
+        results["routing apart"] = routing_apart(jax, jnp, jax_sonic, sonic_steps, torch, jax_sets, args.sets)
+        print("routing apart", results["routing apart"])
     if args.training_calls:
         results["training"] = training_check(jax, jnp, moe_jax, torch_bridge, replays, arrays, args.training_calls)
         print("training", results["training"])
@@ -330,8 +420,9 @@ def main():
         if name in ("trace", "training", "timeline"):
             continue
         print(f"{name:26} host {r['host_ms']:.3f} ms/call, wall {r['wall_ms']:.3f} ms/call, "
-              f"alone {r['alone_median_ms']:.3f} ms, torch's bits {r.get('identical_to_torch', '-')}, "
-              f"graphs {r.get('callback_graphs', '-')}")
+              f"alone {r['alone_median_ms']:.3f} ms (returned {r['alone_returned_median_ms']:.3f}), "
+              f"torch's bits {r.get('identical_to_torch', '-')}, graphs {r.get('callback_graphs', '-')}, "
+              f"keys {r.get('alone_keys', '-')}")
         for part, v in sorted(r["inside"].items()):
             print(f"    {part:22} {v['ms']:.3f} ms/call ({v['per_call']:.0f}x)")
         for row in r.get("profile", {}).get("by_own_time", [])[:25]:
