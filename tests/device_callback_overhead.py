@@ -9,7 +9,8 @@ routing kernels alone (``jax_triton``, qwen3-30b-a3b at T=4096; left out where j
 torch's ``x + 1`` with a synchronize. Then the same for a call that keeps the GPU busy for about 0.6 ms, a bf16
 matmul [4096, 2048] @ [2048, 24576]: XLA's own dot, torch's with a synchronize, and torch's inside a
 ``buffer_callback`` through ``torch_bridge.graphed_callback`` (its CUDA graph replayed, as a ``sonicmoe`` call's
-steps are) and with the graphs off. So a JAX call's extra time splits into what any jitted call of that length pays
+steps are), also with two more outputs the size of a qwen3-30b-a3b T=4096 forward's scratch that the jitted call
+drops, and with the graphs off. So a JAX call's extra time splits into what any jitted call of that length pays
 and what the bridge adds. Each JAX series also records when the call returned, before its result was ready
 (``returned_ms``). Writes ``DIR/callback-overhead.json``.
 """
@@ -81,8 +82,13 @@ def main():
     product = jax.ShapeDtypeStruct((4096, 24576), jnp.bfloat16)
     matmul = torch_bridge.graphed_callback(lambda t, m, o: torch.matmul(t["a"], t["b"], out=o["out"]))
     graphed = jax.jit(lambda a, b: buffer_callback(matmul, {"out": product})({"a": a, "b": b}, {})["out"])
+    scratch = {"out": product, "slot_out": jax.ShapeDtypeStruct((32768, 2048), jnp.bfloat16),
+               "postact": jax.ShapeDtypeStruct((32768, 768), jnp.bfloat16)}  # a qwen3 T=4096 forward's scratch
+    with_scratch = jax.jit(lambda a, b: buffer_callback(matmul, scratch)({"a": a, "b": b}, {})["out"])
     series |= {"jax matmul 4096x2048x24576 (XLA)": (jax.jit(jnp.matmul), (a, b)),
-               "jax matmul 4096x2048x24576 (torch in graphed_callback)": (graphed, (a, b))}
+               "jax matmul 4096x2048x24576 (torch in graphed_callback)": (graphed, (a, b)),
+               "jax matmul 4096x2048x24576 (torch in graphed_callback, two unused scratch outputs)":
+                   (with_scratch, (a, b))}
     results, returned = {}, {}
     for name, (fn, arg) in series.items():
         args_ = arg if isinstance(arg, tuple) else (arg,)
