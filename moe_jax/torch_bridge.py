@@ -94,7 +94,13 @@ def _cu_graph_launch():
 def launch_graph(graph, stream: int) -> None:
     """Launch a captured ``torch.cuda.CUDAGraph`` on a raw CUDA stream (XLA's): ``cuGraphLaunch`` of its executable,
     what ``graph.replay()`` does on torch's current stream, without making that stream torch's first. (The graphs
-    here hold no random-number kernels, whose offsets ``replay`` would advance.)"""
+    here hold no random-number kernels, whose offsets ``replay`` would advance.) A torch whose graphs do not give
+    their executable (``raw_cuda_graph_exec``) replays them with XLA's stream made torch's current."""
+    if not hasattr(graph, "raw_cuda_graph_exec"):
+        torch = torch_module()
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            graph.replay()
+        return
     status = _cu_graph_launch()(graph.raw_cuda_graph_exec(), stream)
     if status:
         raise RuntimeError(f"cuGraphLaunch of a callback's CUDA graph on stream {stream:#x} failed: CUresult {status}")

@@ -126,3 +126,33 @@ def test_a_graphed_callback_replays_from_the_addresses_without_views_or_stream_s
     for _ in range(3):
         host(SimpleNamespace(), {"out": DeviceBuffer(1, cuda=False)}, {"x": DeviceBuffer(2, cuda=False)}, {})
     assert events == (frame[:-1] + ["views", "body"]) * 3  # host buffers: never a graph, and no stream asked for
+
+
+def test_a_graph_launches_on_the_given_stream_and_a_failure_names_it(monkeypatch):
+    launched = []
+
+    def cu_graph_launch(graph_exec, stream):
+        launched.append((graph_exec, stream))
+        return 0 if stream != 0xBAD else 400
+
+    monkeypatch.setattr(torch_bridge, "_cu_graph_launch", lambda: cu_graph_launch)
+    graph = SimpleNamespace(raw_cuda_graph_exec=lambda: 0xE1)
+    torch_bridge.launch_graph(graph, 0x51)
+    assert launched == [(0xE1, 0x51)]
+    with pytest.raises(RuntimeError, match=r"stream 0xbad failed: CUresult 400"):
+        torch_bridge.launch_graph(graph, 0xBAD)
+
+
+def test_a_graph_without_its_executable_replays_on_the_stream_made_torchs(monkeypatch):
+    events = []
+
+    @contextlib.contextmanager
+    def current(stream):
+        events.append(("current", stream.handle))
+        yield
+
+    cuda = SimpleNamespace(stream=current, ExternalStream=lambda handle: SimpleNamespace(handle=handle))
+    monkeypatch.setattr(torch_bridge, "torch_module", lambda: SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(torch_bridge, "_cu_graph_launch", lambda: pytest.fail("no executable to launch"))
+    torch_bridge.launch_graph(SimpleNamespace(replay=lambda: events.append("replay")), 0x51)
+    assert events == [("current", 0x51), "replay"]
