@@ -14,9 +14,11 @@ So a JAX call's extra host time splits into JAX's dispatch, the bridge and the s
 ``--variants`` compares the bindings' way (``lean``: SonicMoE's steps called beneath their custom ops, XLA's buffers
 viewed as DLPack capsules, the callback's CUDA graphs on) with: SonicMoE's steps called through their custom ops and
 ``torch.from_dlpack(buffer)`` views (``through-ops``); grad mode on inside JAX's callback (``grad-on``: the bridge
-before it turned autograd off); no CUDA graphs of the callback's work (``no-graphs``). Each is run ``--rounds``
-times, interleaved; the JAX series record how many callback calls ran, captured and replayed
-(``torch_bridge.Replays``) and whether their last output has torch's bits. Each series also times 30 calls each
+before it turned autograd off); no CUDA graphs of the callback's work (``no-graphs``); graphs replayed after the
+views and the stream switch (``views-replay``: the bridge before its replays went by the addresses alone); 64
+graphs kept (``limit-64``). Each is run ``--rounds`` times, interleaved; the JAX series record how many callback
+calls ran, captured and replayed (``torch_bridge.Replays``), whether their last output has torch's bits, and how
+many distinct buffer addresses the forward callback saw over 30 more calls (``alone_keys``). Each series also times 30 calls each
 alone to the end (``alone_median_ms``, what the benchmark's ``ms`` column measures; ``--sets`` input sets in turn,
 the last output kept alive while the next call runs, as the benchmark does).
 
@@ -24,7 +26,8 @@ the last output kept alive while the next call runs, as the benchmark does).
 host-side comparisons only). ``--profile`` also runs the timed calls under cProfile (the JSON gains each framework's
 functions with the most host time); ``--trace N`` gives torch.profiler's table of host events for N torch calls;
 ``--timeline N`` splits N calls per framework between host and GPU; ``--training-calls N`` checks and times JAX
-gradients with and without the callback's graphs.
+gradients with and without the callback's graphs; ``--routing-apart`` times the JAX forward as one jitted call and
+as two (its routing, then its callback on routing made once).
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ def timeline(torch, call, wait, sets: int, calls: int, path: Path) -> dict:
     return {key: sorted(r[key] for r in rows)[len(rows) // 2] for key in rows[0]} if rows else {}
 
 
-def routing_apart(jax, jnp, jax_sonic, sonic_steps, torch, jax_sets, n_sets: int, calls: int = 30) -> dict:
+def routing_apart(jax, jax_sonic, sonic_steps, jax_sets, n_sets: int, calls: int = 30) -> dict:
     """The JAX forward timed alone as the backend runs it (routing kernels and callback in one jitted call), and
     as two jitted calls: the routing alone, and the callback alone on routing made once (so its call has no
     jax_triton custom call in it). Median ms to the result, and to the call's return."""
@@ -403,7 +406,7 @@ def main():
                                          ("jax", lambda i=0: jitted(*jax_sets[i]), jax.block_until_ready))}
             print("timeline", results["timeline"])
     if args.routing_apart:
-        results["routing apart"] = routing_apart(jax, jnp, jax_sonic, sonic_steps, torch, jax_sets, args.sets)
+        results["routing apart"] = routing_apart(jax, jax_sonic, sonic_steps, jax_sets, args.sets)
         print("routing apart", results["routing apart"])
     if args.training_calls:
         results["training"] = training_check(jax, jnp, moe_jax, torch_bridge, replays, arrays, args.training_calls)
