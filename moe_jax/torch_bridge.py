@@ -123,20 +123,26 @@ class Replays:
         self.graphs: OrderedDict = OrderedDict()
         self.counts = Counter()  # "run", "capture", "replay": what the calls did
 
-    def replay(self, stream: int, addresses: list[int] | None) -> bool:
-        """Launch the graph kept for these addresses on ``stream``; False when there is none (or graphs are off)."""
-        graph = self.graphs.get((stream, *addresses)) if CALLBACK_GRAPHS and addresses is not None else None
+    @staticmethod
+    def key(ctx, buffers: list) -> tuple | None:
+        """XLA's stream and the address of every buffer (no view made), or None where the work just runs: graphs
+        off, or host buffers (whose callback context has no stream)."""
+        addresses = device_addresses(buffers) if CALLBACK_GRAPHS else None
+        return None if addresses is None else (ctx.stream, *addresses)
+
+    def replay(self, key: tuple | None) -> bool:
+        """Launch the graph kept for ``key`` on its stream; False when there is none."""
+        graph = self.graphs.get(key)
         if graph is None:
             return False
-        self.graphs.move_to_end((stream, *addresses))
+        self.graphs.move_to_end(key)
         self.counts["replay"] += 1
-        self.launch(graph, stream)
+        self.launch(graph, key[0])
         return True
 
-    def run(self, stream: int, addresses: list[int] | None, work: Callable[[], None]) -> None:
-        """A call ``replay`` could not serve: run ``work`` (a key's first call, host buffers, graphs off), or capture
-        its graph (a key's second call) and launch it."""
-        key = None if not CALLBACK_GRAPHS or addresses is None else (stream, *addresses)
+    def run(self, key: tuple | None, work: Callable[[], None]) -> None:
+        """A call ``replay`` could not serve: run ``work`` (a key's first call, or no key), or capture its graph (a
+        key's second call) and launch it."""
         if key is None or key not in self.seen:
             if key is not None:
                 self._keep(self.seen, key, True)
@@ -145,7 +151,7 @@ class Replays:
             return
         self.counts["capture"] += 1
         self._keep(self.graphs, key, self.capture(work))
-        self.replay(stream, addresses)
+        self.replay(key)
 
     def _keep(self, table: OrderedDict, key, value) -> None:
         table[key] = value
@@ -162,12 +168,11 @@ def graphed_callback(body: Callable[[dict, dict, dict], None], replays: Replays 
 
     def callback(ctx, out, inputs, more):
         buffers = [*inputs.values(), *more.values(), *out.values()]
-        addresses = device_addresses(buffers) if CALLBACK_GRAPHS else None
-        stream = None if addresses is None else ctx.stream  # a host callback's context has no stream
-        if replays.replay(stream, addresses):
+        key = replays.key(ctx, buffers)
+        if replays.replay(key):
             return
         with on_xla_stream(ctx, buffers[0]):
             t, m, o = views(inputs), views(more), views(out)
-            replays.run(stream, addresses, lambda: body(t, m, o))
+            replays.run(key, lambda: body(t, m, o))
 
     return callback

@@ -294,19 +294,19 @@ def main():
             self.limit = replay_mode["limit"]
             replays.append(self)
 
-        def replay(self, stream, addresses):
+        def replay(self, key):
             if replay_mode["views"] and not getattr(self, "inside_run", False):
                 return False  # the callback's replay before any view: not in views-replay
-            return fast_replay(self, stream, addresses)
+            return fast_replay(self, key)
 
-        def run(self, stream, addresses, work):
+        def run(self, key, work):
             if not replay_mode["views"]:
-                return super().run(stream, addresses, work)
+                return super().run(key, work)
             self.launch = lambda graph, stream: graph.replay()  # on torch's current stream: XLA's, in the callback
             self.inside_run = True
             try:
-                if addresses is None or not self.replay(stream, addresses):
-                    super().run(stream, addresses, work)
+                if not self.replay(key):
+                    super().run(key, work)
             finally:
                 self.inside_run = False
 

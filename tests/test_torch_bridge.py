@@ -11,6 +11,22 @@ import pytest
 from moe_jax import torch_bridge
 
 
+class DeviceBuffer:
+    """Stands for a jax.experimental.buffer_callback Buffer on a GPU (kDLCUDA) or on the host."""
+
+    def __init__(self, address: int, cuda: bool = True):
+        self.address, self.cuda = address, cuda
+
+    def __dlpack_device__(self):
+        return (2 if self.cuda else 1, 0)
+
+    @property
+    def __cuda_array_interface__(self):
+        if not self.cuda:
+            raise AttributeError("a host buffer has no __cuda_array_interface__")
+        return {"data": (self.address, False), "shape": (4,), "typestr": "<f4", "version": 3}
+
+
 @pytest.fixture
 def log():
     """What happened, in order: 'run' (the work, directly), 'capture', ('launch', graph, stream)."""
@@ -27,9 +43,12 @@ def log():
 
 
 def _call(replays, stream, addresses, events):
-    """What a callback does: a replay from the addresses, else the work (run or captured)."""
-    if not replays.replay(stream, addresses):
-        replays.run(stream, addresses, lambda: events.append("run"))
+    """What a callback does: a replay from the key of its stream and buffers (``addresses`` None: host buffers),
+    else the work (run or captured)."""
+    buffers = [DeviceBuffer(1, cuda=False)] if addresses is None else [DeviceBuffer(a) for a in addresses]
+    key = replays.key(SimpleNamespace() if addresses is None else SimpleNamespace(stream=stream), buffers)
+    if not replays.replay(key):
+        replays.run(key, lambda: events.append("run"))
 
 
 def test_a_key_runs_then_captures_then_replays(log):
@@ -80,22 +99,6 @@ def test_host_buffers_and_the_switch_off_always_run_the_work(log, monkeypatch):
     for _ in range(3):
         _call(replays, 0, [5], events)  # a graph is kept for [5], but graphs are off
     assert [e if isinstance(e, str) else "launch" for e in events] == ["run"] * 4 + ["capture", "launch"] + ["run"] * 3
-
-
-class DeviceBuffer:
-    """Stands for a jax.experimental.buffer_callback Buffer on a GPU (kDLCUDA) or on the host."""
-
-    def __init__(self, address: int, cuda: bool = True):
-        self.address, self.cuda = address, cuda
-
-    def __dlpack_device__(self):
-        return (2 if self.cuda else 1, 0)
-
-    @property
-    def __cuda_array_interface__(self):
-        if not self.cuda:
-            raise AttributeError("a host buffer has no __cuda_array_interface__")
-        return {"data": (self.address, False), "shape": (4,), "typestr": "<f4", "version": 3}
 
 
 def test_a_graphed_callback_replays_from_the_addresses_without_views_or_stream_switch(log, monkeypatch):
