@@ -86,6 +86,15 @@ def _gate_vjp(activation, h, intermediate: int):
     return a, lambda da: jnp.concatenate(vjp(da), axis=1)
 
 
+def _transposed(a):
+    """a.T laid out row-major. XLA:CPU runs a bfloat16 dot on YNNPACK (several times Eigen's rate) only when the
+    left operand contracts its last dimension in a row-major buffer; a transpose folded into the dot, or given a
+    column-major layout, sends it to Eigen in float32 (the weight gradients' dots at half the rate). Flattening the
+    transposed bits behind a barrier makes the transpose a copy of its own."""
+    flat = lax.optimization_barrier(bits(a).T.reshape(-1))
+    return from_bits(flat.reshape(a.shape[::-1]), a.dtype)
+
+
 def _with_bias(y, bias):
     return y if bias is None else y + bias
 
@@ -143,7 +152,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
     biased = gate_up_bias is not None
 
     def expert(carry):
-        i, dx, dweights, grads, invariant = carry
+        i, dx, dweights, grads, acc, invariant = carry
         invariant = lax.optimization_barrier(invariant)
         x, dout, pre, gate_up, down, gate_up_bias, down_bias = invariant
         e = hit[i]
@@ -166,28 +175,30 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
             dweights = lax.dynamic_update_slice(dweights, dw, (row,))
             gw = (g.astype(jnp.float32) * w).astype(x.dtype)  # zero past the block's rows
             dh = act_vjp((t * w).astype(a.dtype))
-            terms = (_dot(gw, a, (0, 0)), _dot(dh, x[tok], (0, 0)),
+            terms = (_dot(_transposed(gw), a, (1, 0)), _dot(_transposed(dh), x[tok], (1, 0)),
                      jnp.sum(gw.astype(jnp.float32), axis=0) if biased else None,
                      jnp.sum(dh.astype(jnp.float32), axis=0) if biased else None)
             acc = terms if first else jax.tree.map(jnp.add, acc, terms)
             dx = dx.at[tok].add(_dot(dh, w1, (1, 0)))
             return dx, dweights, acc, (x, dout, pre)
 
-        zero = (jnp.zeros((H, I), jnp.float32), jnp.zeros((N, H), jnp.float32),
-                jnp.zeros((H,), jnp.float32) if biased else None, jnp.zeros((N,), jnp.float32) if biased else None)
-        dx, dweights, acc, _ = _cover(starts[e], ends[e], sizes, step, (dx, dweights, zero, (x, dout, pre)))
+        # the expert's first block replaces acc (the previous expert's sums: no fresh zeros per expert)
+        dx, dweights, acc, _ = _cover(starts[e], ends[e], sizes, step, (dx, dweights, acc, (x, dout, pre)))
         # written as raw bits into gradients kept in their dtype: XLA:CPU updates them in place, and they are the
         # outputs (a buffer of bits would be copied out once more)
         grads = tuple(None if g is None else from_bits(
             lax.dynamic_update_index_in_dim(bits(g), bits(a.astype(g.dtype)), e, 0), g.dtype)
             for g, a in zip(grads, acc))
-        return i + 1, dx, dweights, grads, (x, dout, pre, gate_up, down, gate_up_bias, down_bias)
+        return i + 1, dx, dweights, grads, acc, (x, dout, pre, gate_up, down, gate_up_bias, down_bias)
 
     grads = tuple(None if a is None else jnp.zeros(a.shape, a.dtype) for a in (down, gate_up, down_bias, gate_up_bias))
     dx = jnp.zeros(x.shape, jnp.float32)
     dweights = jnp.zeros(weights.shape, jnp.float32)
+    acc = (jnp.zeros((H, I), jnp.float32), jnp.zeros((N, H), jnp.float32),
+           jnp.zeros((H,), jnp.float32) if biased else None, jnp.zeros((N,), jnp.float32) if biased else None)
     invariant = (x, dout.astype(x.dtype), pre, gate_up, down, gate_up_bias, down_bias)
-    _, dx, dweights, grads, _ = lax.while_loop(lambda c: c[0] < n_hit, expert, (0, dx, dweights, grads, invariant))
+    _, dx, dweights, grads, _, _ = lax.while_loop(lambda c: c[0] < n_hit, expert,
+                                                  (0, dx, dweights, grads, acc, invariant))
     d_down, d_gate_up, d_down_b, d_gate_up_b = grads
     return dx.astype(x.dtype), dweights, d_gate_up, d_down, d_gate_up_b, d_down_b
 
