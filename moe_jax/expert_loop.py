@@ -76,6 +76,14 @@ def _expert(weights, bias, e):
     return pick(weights), pick(bias)
 
 
+def _gate(activation, h, intermediate: int):
+    """act(g) * u for [g; u] = h, computed in float32 on h's values and rounded once to h's dtype (XLA:CPU runs
+    bfloat16 elementwise ops as float32 ones with a conversion each); a custom gate runs in h's dtype."""
+    if callable(activation):
+        return activation(h)
+    return gate(activation, h.astype(jnp.float32), intermediate).astype(h.dtype)
+
+
 def _gate_vjp(activation, h, intermediate: int):
     """(the gate's output in float32, its VJP from a float32 cotangent to h's dtype). Named activations run in
     float32 on the rounded pre-activations (one rounding at the end instead of one per elementwise op: fewer,
@@ -133,7 +141,7 @@ def _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_b
             h = _with_bias(_dot(x[tok], w1, (1, 1)).astype(x.dtype), b1)
             if pre is not None:  # rows past the block's own belong to later blocks, which write them afterwards
                 pre = lax.dynamic_update_slice(pre, bits(h), (row, 0))
-            y = _with_bias(_dot(gate(activation, h, I), w2, (1, 1)).astype(x.dtype), b2)
+            y = _with_bias(_dot(_gate(activation, h, I), w2, (1, 1)).astype(x.dtype), b2)
             return out.at[tok].add(y.astype(jnp.float32) * w[:, None]), pre, x
 
         out, pre, x = _cover(starts[e], ends[e], sizes, step, (out, pre, x))
