@@ -97,6 +97,11 @@ def _gate_vjp(activation, h, intermediate: int):
     return a, lambda da: jnp.concatenate(vjp(da), axis=1).astype(h.dtype)
 
 
+def _gather(a, rows):
+    """a[rows], gathered as raw bits (XLA:CPU gathers bfloat16 in float32 and converts back)."""
+    return from_bits(bits(a)[rows], a.dtype)
+
+
 def _transposed(a):
     """a.T laid out row-major. XLA:CPU runs a bfloat16 dot on YNNPACK (several times Eigen's rate) only when the
     left operand contracts its last dimension in a row-major buffer; a transpose folded into the dot, or given a
@@ -138,7 +143,7 @@ def _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_b
             out, pre, x = carry
             x = lax.optimization_barrier(x)
             tok, w = _rows(token, weights, row, size, limit)
-            h = _with_bias(_dot(x[tok], w1, (1, 1)).astype(x.dtype), b1)
+            h = _with_bias(_dot(_gather(x, tok), w1, (1, 1)).astype(x.dtype), b1)
             if pre is not None:  # rows past the block's own belong to later blocks, which write them afterwards
                 pre = lax.dynamic_update_slice(pre, bits(h), (row, 0))
             y = _with_bias(_dot(_gate(activation, h, I), w2, (1, 1)).astype(x.dtype), b2)
@@ -177,7 +182,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
             w = w[:, None]
             h = from_bits(lax.dynamic_slice(pre, (row, 0), (size, N)), x.dtype)
             a, act_vjp = _gate_vjp(activation, h, I)
-            g = dout[tok]
+            g = _gather(dout, tok)
             t = _dot(g, w2, (1, 0))  # [B, I]: the output gradient through the down weights
             dw = jnp.sum(t * a, axis=1)
             if biased:
@@ -186,7 +191,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
             dweights = lax.dynamic_update_slice(dweights, dw, (row,))
             gw = (g.astype(jnp.float32) * w).astype(x.dtype)  # zero past the block's rows
             dh = act_vjp(t * w)
-            terms = (_dot(_transposed(gw), a.astype(x.dtype), (1, 0)), _dot(_transposed(dh), x[tok], (1, 0)),
+            terms = (_dot(_transposed(gw), a.astype(x.dtype), (1, 0)), _dot(_transposed(dh), _gather(x, tok), (1, 0)),
                      jnp.sum(gw.astype(jnp.float32), axis=0) if biased else None,
                      jnp.sum(dh.astype(jnp.float32), axis=0) if biased else None)
             acc = terms if first else jax.tree.map(jnp.add, acc, terms)
