@@ -112,6 +112,25 @@ def test_grouped_mm_runs_the_expert_loop_on_cpu_and_ragged_dot_backend_runs_ragg
     assert " while(" not in ragged_hlo  # ragged_dot's CPU expansion is loop-free
 
 
+def test_expert_loop_matmuls_contract_the_left_operands_last_dimension():
+    """XLA:CPU runs a bfloat16 dot on YNNPACK only when its left operand contracts its last dimension; a left
+    operand contracted over its rows (the weight gradients' natural form) runs on Eigen in float32 at half the
+    rate. Every dot of the compiled forward+backward has the fast form."""
+    arrays, dy = random_case(5, T=96, H=64, I=32, E=4, k=2, bias=False)
+    values = to_jax(arrays, "bfloat16")
+    names = [n for n in DIFF_ARGS if n in values]
+
+    def grads(diff, dy):
+        f = lambda *d: experts_forward(**(values | dict(zip(names, d))), implementation="grouped_mm")
+        return jax.vjp(f, *diff)[1](dy)
+
+    diff = [values[n] for n in names]
+    hlo = jax.jit(grads).lower(diff, jnp.asarray(dy, jnp.bfloat16)).compile().as_text()
+    dots = re.findall(r" dot\([^\n]*", hlo)
+    assert len(dots) >= 6  # gate/up and down forward, and four in the backward, per block size
+    assert [d for d in dots if "lhs_contracting_dims={1}" not in d] == []
+
+
 # T, E, k: one-row blocks in the forward (at most 2 rows per expert on average), one block size (under 16), the
 # ladder of sizes with one block per expert, and experts with more rows than the largest block (several blocks)
 EXPERT_LOOP_PATHS = {"one-row": (6, 4, 1), "one-size": (40, 4, 1), "ladder": (60, 2, 2), "several-blocks": (700, 2, 1)}
