@@ -131,21 +131,25 @@ def test_expert_loop_matmuls_contract_the_left_operands_last_dimension():
     assert [d for d in dots if "lhs_contracting_dims={1}" not in d] == []
 
 
-# T, E, k: one-row blocks in the forward (at most 2 rows per expert on average), one block size (under 16), the
-# ladder of sizes with one block per expert, and experts with more rows than the largest block (several blocks)
-EXPERT_LOOP_PATHS = {"one-row": (6, 4, 1), "one-size": (40, 4, 1), "ladder": (60, 2, 2), "several-blocks": (700, 2, 1)}
+# T, E, k, one-row decode blocks: one-row blocks in the forward (at most 2 rows per expert on average; where the
+# host has no AMX), the same routing in one block per expert (where it has), one block size (under 16), the ladder of
+# sizes with one block per expert, and experts with more rows than the largest block (several blocks)
+EXPERT_LOOP_PATHS = {"one-row": (6, 4, 1, True), "decode-blocks": (6, 4, 1, False), "one-size": (40, 4, 1, True),
+                     "ladder": (60, 2, 2, True), "several-blocks": (700, 2, 1, True)}
 
 
 @pytest.mark.parametrize("path", list(EXPERT_LOOP_PATHS))
-def test_expert_loop_block_paths_match_the_reference(path):
+def test_expert_loop_block_paths_match_the_reference(path, monkeypatch):
     """grouped_mm's CPU kernel through each way it splits an expert's rows into blocks, forward and every
     gradient in float32, biases and empty slots included."""
-    from moe_jax.expert_loop import MAX_BLOCK, block_sizes
-    T, E, k = EXPERT_LOOP_PATHS[path]
+    from moe_jax import expert_loop
+    T, E, k, one_row = EXPERT_LOOP_PATHS[path]
+    monkeypatch.setattr(expert_loop, "one_row_decode", lambda: one_row)
     arrays, dy = random_case(len(path), T=T, H=16, I=8, E=E, k=k, bias=True, empty_fraction=0.1)
-    sizes = block_sizes(T * k, E)
-    assert {"one-row": sizes == (1,), "one-size": len(sizes) == 1 and sizes[0] > 1,
-            "ladder": len(sizes) > 1 and T * k / E < MAX_BLOCK, "several-blocks": T * k / E > MAX_BLOCK}[path]
+    sizes = expert_loop.block_sizes(T * k, E)
+    assert {"one-row": sizes == (1,), "decode-blocks": sizes == (4,), "one-size": len(sizes) == 1 and sizes[0] > 1,
+            "ladder": len(sizes) > 1 and T * k / E < expert_loop.MAX_BLOCK,
+            "several-blocks": T * k / E > expert_loop.MAX_BLOCK}[path]
     values = to_jax(arrays, "float32")
     out, grads = forward_and_grads(values, "grouped_mm", grad_output=jnp.asarray(dy, jnp.float32), jit=True)
     kw = dict(activation="silu", gate_up_bias=arrays["gate_up_bias"], down_bias=arrays["down_bias"])
