@@ -118,7 +118,7 @@ def _gather(a, rows):
 def _transposed(a):
     """a.T laid out row-major. XLA:CPU runs a bfloat16 dot on YNNPACK (several times Eigen's rate) only when the
     left operand contracts its last dimension in a row-major buffer; a transpose folded into the dot, or given a
-    column-major layout, sends it to Eigen in float32 (the weight gradients' dots at half the rate). Flattening the
+    column-major layout, sends it to Eigen in float32 (measured: about 0.35 against 0.9 TFLOP/s). Flattening the
     transposed bits behind a barrier makes the transpose a copy of its own."""
     flat = lax.optimization_barrier(bits(a).T.reshape(-1))
     return from_bits(flat.reshape(a.shape[::-1]), a.dtype)

@@ -114,8 +114,8 @@ def test_grouped_mm_runs_the_expert_loop_on_cpu_and_ragged_dot_backend_runs_ragg
 
 def test_expert_loop_matmuls_contract_the_left_operands_last_dimension():
     """XLA:CPU runs a bfloat16 dot on YNNPACK only when its left operand contracts its last dimension; a left
-    operand contracted over its rows (the weight gradients' natural form) runs on Eigen in float32 at half the
-    rate. Every dot of the compiled forward+backward has the fast form."""
+    operand contracted over its rows (the weight gradients' natural form) runs on Eigen in float32, several
+    times slower. Every dot of the compiled forward+backward has the fast form."""
     arrays, dy = random_case(5, T=96, H=64, I=32, E=4, k=2, bias=False)
     values = to_jax(arrays, "bfloat16")
     names = [n for n in DIFF_ARGS if n in values]
