@@ -18,9 +18,9 @@ before it turned autograd off); no CUDA graphs of the callback's work (``no-grap
 views and the stream switch (``views-replay``: the bridge before its replays went by the addresses alone); 64
 graphs kept (``limit-64``). Each is run ``--rounds`` times, interleaved; the JAX series record how many callback
 calls ran, captured and replayed (``torch_bridge.Replays``), whether their last output has torch's bits, and how
-many distinct buffer addresses the forward callback saw over 30 more calls (``alone_keys``). Each series also times 30 calls each
-alone to the end (``alone_median_ms``, what the benchmark's ``ms`` column measures; ``--sets`` input sets in turn,
-the last output kept alive while the next call runs, as the benchmark does).
+many distinct buffer addresses the forward callback saw over 30 more calls (``alone_keys``). Each series also times
+30 calls each alone to the end (``alone_median_ms``, what the benchmark's ``ms`` column measures; ``--sets`` input
+sets in turn, the last output kept alive while the next call runs, as the benchmark does).
 
 ``--quack-configs first`` pins every quack GEMM to its first valid config (no autotuning on a fresh machine;
 host-side comparisons only). ``--profile`` also runs the timed calls under cProfile (the JSON gains each framework's
@@ -228,8 +228,8 @@ def main():
     p.add_argument("--variants", default="lean,through-ops",
                    help="lean: the bindings' way; through-ops: SonicMoE's custom ops and torch.from_dlpack(buffer); "
                         "grad-on: lean with grad mode on in JAX's callback; "
-                        "no-graphs: lean without the callback's CUDA graphs; views-replay: graphs replayed after the views "
-                        "and the stream switch (the bridge before); limit-64: lean keeping 64 graphs")
+                        "no-graphs: lean without the callback's CUDA graphs; views-replay: graphs replayed after the "
+                        "views and the stream switch (the bridge before); limit-64: lean keeping 64 graphs")
     p.add_argument("--quack-configs", choices=("first", "tuned"), default="tuned")
     p.add_argument("--sets", type=int, default=1,
                    help="input sets the calls timed alone cycle through (the benchmark's --sets)")
