@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache, partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +38,7 @@ def one_row_decode() -> bool:
     bfloat16 matrix product on YNNPACK, which with AMX reads the bfloat16 weights faster than the conversion does
     (qwen3-cpu forward on a 2-core Xeon with AMX: 17.3 against 36.2 ms at T=16, 8.1 against 13.8 at T=4; on a
     2-core EPYC without it the one-row blocks were the faster)."""
-    try:
-        return "amx_bf16" not in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
+    return "amx_bf16" not in expert_rows.cpu_flags()
 
 
 def _mean_rows(rows: int, experts: int) -> int:

@@ -43,13 +43,15 @@ def mode() -> str:
     return value
 
 
-def _cpu_flags() -> set[str]:
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The host CPU's feature flags, as /proc/cpuinfo spells them (none where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
 
 
 def _cache_dir() -> Path:
@@ -79,7 +81,7 @@ def _build(compiler: str) -> Path:
 @cache
 def unavailable() -> str | None:
     """Why the row kernel cannot run on this host (None: it is built and registered)."""
-    missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
+    missing = [flag for flag in CPU_FLAGS if flag not in cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -119,7 +121,7 @@ def _warn_once(reason: str) -> None:
 def amx() -> bool:
     """Whether the kernel runs on AMX tiles (where the CPU has them; ``MOE_JAX_ROW_KERNEL_AMX=0`` turns it off),
     else on AVX512-BF16 dot products."""
-    return os.environ.get("MOE_JAX_ROW_KERNEL_AMX", "1") != "0" and all(f in _cpu_flags() for f in AMX_FLAGS)
+    return os.environ.get("MOE_JAX_ROW_KERNEL_AMX", "1") != "0" and all(f in cpu_flags() for f in AMX_FLAGS)
 
 
 def expert_rows(x, weights, expert, count):

@@ -89,7 +89,7 @@ def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
 
 
 def test_row_kernel_says_why_it_cannot_run(fresh_state, monkeypatch, tmp_path):
-    monkeypatch.setattr(expert_rows, "_cpu_flags", lambda: {"avx512f"})
+    monkeypatch.setattr(expert_rows, "cpu_flags", lambda: frozenset({"avx512f"}))
     assert expert_rows.unavailable() == "the CPU lacks avx512bw, avx512_bf16"
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "auto")
     assert not expert_rows.enabled()  # a CPU without the instructions: XLA's dots, no warning
@@ -101,7 +101,7 @@ def test_row_kernel_says_why_it_cannot_run(fresh_state, monkeypatch, tmp_path):
         expert_rows.enabled()
 
     expert_rows.unavailable.cache_clear()
-    monkeypatch.setattr(expert_rows, "_cpu_flags", lambda: set(expert_rows.CPU_FLAGS))
+    monkeypatch.setattr(expert_rows, "cpu_flags", lambda: frozenset(expert_rows.CPU_FLAGS))
     monkeypatch.setenv("MOE_EXPERTS_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "auto")
