@@ -1,8 +1,8 @@
 """Memory and time estimates of a point, to skip the ones that cannot fit or would take silly long.
 
 The estimate is the roofline cost plus what a backend adds: batched_mm gathers a copy of an expert's weights
-per routed slot (moe_torch's one projection at a time, on the CPU in small chunks; transformers' and JAX's both,
-kept for the backward); JAX ragged_dot on CPU expands to a dense masked matmul of every slot against every expert.
+per routed slot (moe_torch's one projection at a time, on the CPU none: each slot's matmul reads its expert's
+weights in place; transformers' and JAX's both, kept for the backward); JAX ragged_dot on CPU expands to a dense masked matmul of every slot against every expert.
 """
 
 from __future__ import annotations
@@ -10,13 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_torch.backends.batched_mm import CHUNK_BYTES
-
 from . import roofline
 from .configs import Config
 
 GIB = 2**30
-BATCHED_MM_CPU_CHUNK_BYTES = CHUNK_BYTES["cpu"]
 
 
 @dataclass(frozen=True)
@@ -58,10 +55,10 @@ def _torch_batched_gather(s: Shape) -> Extra:
     return Extra(memory=s.slots * s.expert_bytes * 2 / 3, bytes=3 * s.slots * s.expert_bytes)
 
 
-def _torch_batched_chunks(s: Shape) -> Extra:
-    """moe_torch batched_mm on the CPU: the gathered weights in chunks of a few MB, again in the backward."""
-    return Extra(memory=min(s.slots * s.expert_bytes, BATCHED_MM_CPU_CHUNK_BYTES),
-                 bytes=3 * s.slots * s.expert_bytes * (2 if s.backward else 1))
+def _torch_batched_in_place(s: Shape) -> Extra:
+    """moe_torch batched_mm on the CPU: each slot's matmuls read its expert's weights in place, again in the
+    backward's input gradient."""
+    return Extra(bytes=s.slots * s.expert_bytes * (2 if s.backward else 1))
 
 
 def _dense_masked(s: Shape) -> Extra:
@@ -72,7 +69,7 @@ def _dense_masked(s: Shape) -> Extra:
 EXTRAS: dict[tuple[str, str, str], Callable[[Shape], Extra]] = {
     ("*", "batched_mm", "*"): _batched_gather,
     ("torch", "batched_mm", "*"): _torch_batched_gather,
-    ("torch", "batched_mm", "cpu"): _torch_batched_chunks,
+    ("torch", "batched_mm", "cpu"): _torch_batched_in_place,
     ("torch", "transformers:batched_mm", "*"): _batched_gather,
     ("jax", "ragged_dot", "cpu"): _dense_masked,
 }

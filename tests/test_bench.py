@@ -405,7 +405,8 @@ def test_profile_reports_each_points_ops(tmp_path, capsys):
     assert [(p["backend"], p["tokens"], p["mode"]) for p in points] == [("batched_mm", 2, "fwd"),
                                                                       ("transformers:grouped_mm", 2, "fwd")]
     ops = {p["backend"]: {r["op"]: r for r in p["ops"]} for p in points}
-    assert ops["batched_mm"]["aten::bmm"]["count"] == 2  # one per projection, per call
+    # on the CPU one matmul per slot (2 tokens * top-4) and projection, per call, on the weights in place
+    assert ops["batched_mm"]["aten::mm"]["count"] == 2 * 2 * 4 and "aten::bmm" not in ops["batched_mm"]
     assert "aten::_grouped_mm" in ops["transformers:grouped_mm"] and "aten::bmm" not in ops["transformers:grouped_mm"]
     assert all(p["host_ms"] > 0 for p in points)
     assert "batched_mm fwd: host" in capsys.readouterr().out

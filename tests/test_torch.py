@@ -625,25 +625,26 @@ _TRAINED_SETS = [("hidden_states",), ("top_k_weights",), ("down_proj",), ("gate_
 
 
 @pytest.mark.parametrize("trained", _TRAINED_SETS, ids=lambda t: "+".join(t))
-@pytest.mark.parametrize("path", ["cpu", "cuda-sorted", "chunked", "in-place"])
+@pytest.mark.parametrize("path", ["in-place", "gathered", "cuda-sorted", "chunked"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batched_mm_training_step_is_one_node_with_the_composed_bits(trained, path, dtype, monkeypatch):
     """Training with a named activation runs as one autograd node whose inputs' gradients go straight to them, and
     gives the bits of the composed path (each step recorded by autograd) in the forward and every gradient: on the
-    CPU's path, the CUDA one (sorted input gradients, K-grouped weight gradients), with the gathered weights in
-    chunks, and with one matmul per slot on the weights in place (nothing gathered); empty slots and an idle expert
-    included."""
+    CPU's path (one matmul per slot on the weights in place, nothing gathered), with the weights gathered at once
+    and in chunks (compiled on the CPU), and on the CUDA one (gathered; sorted input gradients, K-grouped weight
+    gradients); empty slots and an idle expert included."""
     from moe_torch import base
     from moe_torch.backends import batched_mm
 
+    if path == "in-place":
+        monkeypatch.setattr(batched_mm, "_chunks", None)  # nothing gathers weights (in chunks or at once)
+    else:
+        monkeypatch.setattr(batched_mm, "IN_PLACE_DEVICES", ())
     if path == "cuda-sorted":
         monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
         monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
     if path == "chunked":
         monkeypatch.setitem(batched_mm.CHUNK_BYTES, "cpu", 3 * 24 * 16 * 4)  # three slots' weights per bmm
-    if path == "in-place":
-        monkeypatch.setitem(batched_mm.IN_PLACE_SLOTS, "cpu", 33)
-        monkeypatch.setattr(batched_mm, "_chunks", None)  # nothing gathers weights (in chunks or at once)
     arrays, dy = random_case(19, T=11, H=16, I=12, E=6, k=3, bias=False, empty_fraction=0.2)
     arrays["top_k_index"] = np.where(arrays["top_k_index"] == 4, -1, arrays["top_k_index"])
     results = []
@@ -706,7 +707,7 @@ def test_decode_forward_op_budget(backend, budget, monkeypatch):
     from moe_torch import base
     from moe_torch.backends import batched_mm
     monkeypatch.setattr(base.Slots, "_all_valid", lambda self: False)
-    monkeypatch.setitem(batched_mm.IN_PLACE_SLOTS, "cpu", -1)  # CUDA's path: the gathered weights
+    monkeypatch.setattr(batched_mm, "IN_PLACE_DEVICES", ())  # CUDA's path: the gathered weights
     arrays, _ = random_case(3, T=4, H=16, I=8, E=6, k=2, bias=False, empty_fraction=0.25)
     tensors = to_torch(arrays, "bfloat16")
     with torch.no_grad():
