@@ -3,8 +3,8 @@ e's bfloat16 weights where they lie in ``w`` [E, N, K].
 
 XLA:CPU copies a dynamic slice of the weights before every dot, and at decode that copy costs as much as the dot
 (qwen3-cpu, 2-row blocks: 85 us to copy an expert's gate/up weights, 80 us for the dot). This kernel
-(``expert_rows.cc``, an XLA FFI custom call with AVX512-BF16 dot products) reads them in place and skips the
-block's padding rows. It is built on first use with the host's C++ compiler (``$CXX``, else ``c++``) against
+(``expert_rows.cc``, an XLA FFI custom call on AMX tiles where the CPU has them, else AVX512-BF16 dot products)
+reads them in place and skips the block's padding rows. It is built on first use with the host's C++ compiler (``$CXX``, else ``c++``) against
 jaxlib's FFI headers, into ``$MOE_EXPERTS_CACHE`` (default ``~/.cache/moe_experts``).
 
 ``MOE_JAX_ROW_KERNEL``: ``auto`` (default) uses it where the host has AVX512-BF16 and the build succeeds, else
@@ -119,9 +119,19 @@ def _warn_once(reason: str) -> None:
 
 
 def amx() -> bool:
-    """Whether the kernel runs on AMX tiles (where the CPU has them; ``MOE_JAX_ROW_KERNEL_AMX=0`` turns it off),
-    else on AVX512-BF16 dot products."""
-    return os.environ.get("MOE_JAX_ROW_KERNEL_AMX", "1") != "0" and all(f in cpu_flags() for f in AMX_FLAGS)
+    """Whether the kernel runs on AMX tiles (where the CPU has them and Linux grants this process their state;
+    ``MOE_JAX_ROW_KERNEL_AMX=0`` turns it off), else on AVX512-BF16 dot products."""
+    return os.environ.get("MOE_JAX_ROW_KERNEL_AMX", "1") != "0" and _amx_granted()
+
+
+@cache
+def _amx_granted() -> bool:
+    if not all(flag in cpu_flags() for flag in AMX_FLAGS):
+        return False
+    try:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), as the kernel asks too
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def expert_rows(x, weights, expert, count):
