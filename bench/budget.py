@@ -2,7 +2,8 @@
 
 The estimate is the roofline cost plus what a backend adds: batched_mm gathers a copy of an expert's weights
 per routed slot (moe_torch's one projection at a time, on the CPU none: each slot's matmul reads its expert's
-weights in place; transformers' and JAX's both, kept for the backward); JAX ragged_dot on CPU expands to a dense masked matmul of every slot against every expert.
+weights in place; transformers' and JAX's both, kept for the backward); JAX ragged_dot on CPU expands to a dense
+masked matmul of every slot against every expert.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 Fast for a handful of tokens (no sort, no host sync in the forward); the gathered weights are T*k copies of an
 expert's. On the CPU, uncompiled, nothing is gathered: each slot takes one matmul on its expert's weights in place
 (IN_PLACE_DEVICES); compiled, the slots go through in chunks whose gathered weights stay in cache (a few MB each,
-never one huge buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one matmul over
-its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient; on CUDA one K-grouped
-``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted rows, on the CPU by
-gathering the weights again in chunks. Training with a named activation and no biases runs as one autograd node
-(``_TrainingStep``: the composed path's ops and bits, one node's host cost).
+never one huge buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one
+matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient; on CUDA one K-grouped
+``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted rows, on the CPU
+through the forward's way again (in place, or gathered in chunks when compiled). Training with a named activation
+and no biases runs as one autograd node (``_TrainingStep``: the composed path's ops and bits, one node's host cost).
 """
 
 from __future__ import annotations
