@@ -5,7 +5,8 @@ XLA:CPU copies a dynamic slice of the weights before every dot, and at decode th
 (qwen3-cpu, 2-row blocks: 85 us to copy an expert's gate/up weights, 80 us for the dot). This kernel
 (``expert_rows.cc``, an XLA FFI custom call on AMX tiles where the CPU has them, else AVX512-BF16 dot
 products) reads them in place and skips the block's padding rows. It is built on first use with the host's C++
-compiler (``$CXX``, else ``c++``) against jaxlib's FFI headers, into ``$MOE_EXPERTS_CACHE`` (default ``~/.cache/moe_experts``).
+compiler (``$CXX``, else ``c++``) against jaxlib's FFI headers, into ``$MOE_EXPERTS_CACHE`` (default
+``~/.cache/moe_experts``).
 
 ``MOE_JAX_ROW_KERNEL``: ``auto`` (default) uses it where the host has AVX512-BF16 and the build succeeds, else
 XLA's dots (with a warning when the build failed); ``on`` raises ``RuntimeError`` with the reason where it cannot
