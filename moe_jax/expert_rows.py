@@ -8,8 +8,8 @@ products) reads them in place and skips the block's padding rows. It is built on
 compiler (``$CXX``, else ``c++``) against jaxlib's FFI headers, into ``$MOE_EXPERTS_CACHE`` (default
 ``~/.cache/moe_experts``).
 
-``MOE_JAX_ROW_KERNEL``: ``auto`` (default) uses it where the host has AVX512-BF16 and the build succeeds, else
-XLA's dots (with a warning when the build failed); ``on`` raises ``RuntimeError`` with the reason where it cannot
+``MOE_JAX_ROW_KERNEL``: ``auto`` (default) uses it where the host has AVX512-BF16, the build succeeds and JAX's
+default backend is the CPU, else XLA's dots (with a warning when the build failed); ``on`` raises ``RuntimeError`` with the reason where it cannot
 run; ``off`` never uses it.
 """
 
@@ -101,9 +101,11 @@ _LOADED: list = []  # the loaded library stays referenced while the process runs
 
 
 def enabled() -> bool:
-    """Whether the expert loop uses the row kernel (see ``MOE_JAX_ROW_KERNEL``)."""
+    """Whether the expert loop uses the row kernel (see ``MOE_JAX_ROW_KERNEL``). ``auto`` uses it only in a
+    process whose default backend is the CPU: beside an accelerator, grouped_mm's CPU branch is traced but not what
+    runs (``platform_dependent``), and nothing is built or registered for it."""
     chosen = mode()
-    if chosen == "off":
+    if chosen == "off" or (chosen == "auto" and jax.default_backend() != "cpu"):
         return False
     reason = unavailable()
     if reason and chosen == "on":

@@ -3,6 +3,8 @@ dot products), that grouped_mm's bfloat16 forward runs it, and the reasons it gi
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +111,21 @@ def test_row_kernel_says_why_it_cannot_run(fresh_state, monkeypatch, tmp_path):
         assert not expert_rows.enabled()
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "off")
     assert not expert_rows.enabled()  # off: not even looked at
+
+
+def test_row_kernel_is_not_built_beside_an_accelerator(fresh_state, monkeypatch, tmp_path):
+    """With a GPU as JAX's default backend, grouped_mm's traced CPU branch runs XLA's dots: auto builds and
+    registers nothing (no compiler is run, no warning), while on still asks for the kernel."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(expert_rows, "cpu_flags", lambda: frozenset(expert_rows.CPU_FLAGS))
+    monkeypatch.setenv("MOE_EXPERTS_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # were a build tried, it would fail and warn
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "auto")
+    bf16 = (jnp.zeros(1, jnp.bfloat16),) * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not expert_loop.uses_row_kernel(8, 4, *bf16)
+    assert expert_rows.unavailable.cache_info().currsize == 0 and not list(tmp_path.iterdir())
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "on")
+    with pytest.raises(RuntimeError, match="MOE_JAX_ROW_KERNEL=on, but the row kernel cannot run: false failed"):
+        expert_loop.uses_row_kernel(8, 4, *bf16)
