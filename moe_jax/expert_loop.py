@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moe_shared import native
+
 from . import expert_rows
 from .base import ACTIVATIONS, HIGHEST, gate
 from .grouped_matmul import bits, bits_dtype, from_bits, hit_experts
@@ -38,7 +40,7 @@ def one_row_decode() -> bool:
     bfloat16 matrix product on YNNPACK, which with AMX reads the bfloat16 weights faster than the conversion does
     (qwen3-cpu forward on a 2-core Xeon with AMX: 17.3 against 36.2 ms at T=16, 8.1 against 13.8 at T=4; on a
     2-core EPYC without it the one-row blocks were the faster)."""
-    return "amx_bf16" not in expert_rows.cpu_flags()
+    return "amx_bf16" not in native.cpu_flags()
 
 
 def _mean_rows(rows: int, experts: int) -> int:

@@ -395,6 +395,7 @@ def test_progress_falls_back_without_tqdm(monkeypatch, capsys):
 
 def test_profile_reports_each_points_ops(tmp_path, capsys):
     from bench import profile
+    from moe_torch import expert_rows
 
     out = tmp_path / "profile.json"
     assert profile.main(["--device", "cpu", "--config", "tiny", "--tokens", "2", "--modes", "fwd",
@@ -405,8 +406,13 @@ def test_profile_reports_each_points_ops(tmp_path, capsys):
     assert [(p["backend"], p["tokens"], p["mode"]) for p in points] == [("batched_mm", 2, "fwd"),
                                                                       ("transformers:grouped_mm", 2, "fwd")]
     ops = {p["backend"]: {r["op"]: r for r in p["ops"]} for p in points}
-    # on the CPU one matmul per slot (2 tokens * top-4) and projection, per call, on the weights in place
-    assert ops["batched_mm"]["aten::mm"]["count"] == 2 * 2 * 4 and "aten::bmm" not in ops["batched_mm"]
+    # on the CPU one row-kernel call per projection and call, on the weights in place (where the host has the
+    # kernel), else one matmul per slot (2 tokens * top-4) and projection
+    if expert_rows.enabled():
+        assert ops["batched_mm"][expert_rows.PROFILER_NAME]["count"] == 2 and "aten::mm" not in ops["batched_mm"]
+    else:
+        assert ops["batched_mm"]["aten::mm"]["count"] == 2 * 2 * 4
+    assert "aten::bmm" not in ops["batched_mm"]
     assert "aten::_grouped_mm" in ops["transformers:grouped_mm"] and "aten::bmm" not in ops["transformers:grouped_mm"]
     assert all(p["host_ms"] > 0 for p in points)
     assert "batched_mm fwd: host" in capsys.readouterr().out

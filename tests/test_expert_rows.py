@@ -1,5 +1,7 @@
-"""The expert loop's CPU row kernel (moe_jax.expert_rows): its numbers in both of its ways (AMX tiles, AVX512-BF16
-dot products), that grouped_mm's bfloat16 forward runs it, and the reasons it gives where it cannot run."""
+"""The CPU row kernel (moe_shared/kernels/expert_rows.h) through both bindings, moe_jax.expert_rows (the expert
+loop's XLA FFI call) and moe_torch.expert_rows (a C entry point over a list of groups): its numbers in both of its
+ways (AMX tiles, AVX512-BF16 dot products), the same bits from torch and JAX, that the backends' bfloat16 forwards
+run it, and the reasons it gives where it cannot run."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from moe_jax import experts_forward, expert_loop, expert_rows
-from moe_shared import reference
+from moe_torch import experts_forward as torch_experts_forward
+from moe_torch import expert_rows as torch_rows
+from moe_shared import native, reference
 from support import DIFF_ARGS, assert_close, random_case
 
 REASON = expert_rows.unavailable()
@@ -24,10 +29,10 @@ def fresh_state():
     """The kernel's cached availability and warning forgotten before and after the test (it is registered again
     on the next use)."""
     expert_rows.unavailable.cache_clear()
-    expert_rows._warn_once.cache_clear()
+    native.warn_once.cache_clear()
     yield
     expert_rows.unavailable.cache_clear()
-    expert_rows._warn_once.cache_clear()
+    native.warn_once.cache_clear()
 
 
 # B x rows, K, N weight rows, E experts, count: the AMX tiles with a tail of weight rows (under 16) and several
@@ -44,7 +49,8 @@ def test_row_kernel_matches_float64(way, B, K, N, E, count, monkeypatch):
     x = jnp.asarray(rng.standard_normal((B, K)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((E, N, K)), jnp.bfloat16)
     e = E - 1
-    got = np.asarray(jax.jit(expert_rows.expert_rows)(x, w, e, count))
+    call = jax.jit(lambda a, b: expert_rows.expert_rows(a, b, e, count))  # traced here: the way is read at tracing
+    got = np.asarray(call(x, w))
     want = np.asarray(x, np.float64)[:count] @ np.asarray(w[e], np.float64).T
     assert got.shape == (B, N) and got.dtype == np.float32
     assert not got[count:].any()  # the rows past count: zeros, not what the buffer held
@@ -91,7 +97,7 @@ def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
 
 
 def test_row_kernel_says_why_it_cannot_run(fresh_state, monkeypatch, tmp_path):
-    monkeypatch.setattr(expert_rows, "cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f"}))
     assert expert_rows.unavailable() == "the CPU lacks avx512bw, avx512_bf16"
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "auto")
     assert not expert_rows.enabled()  # a CPU without the instructions: XLA's dots, no warning
@@ -103,7 +109,7 @@ def test_row_kernel_says_why_it_cannot_run(fresh_state, monkeypatch, tmp_path):
         expert_rows.enabled()
 
     expert_rows.unavailable.cache_clear()
-    monkeypatch.setattr(expert_rows, "cpu_flags", lambda: frozenset(expert_rows.CPU_FLAGS))
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(native.CPU_FLAGS))
     monkeypatch.setenv("MOE_EXPERTS_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "auto")
@@ -117,7 +123,7 @@ def test_row_kernel_is_not_built_beside_an_accelerator(fresh_state, monkeypatch,
     """With a GPU as JAX's default backend, grouped_mm's traced CPU branch runs XLA's dots: auto builds and
     registers nothing (no compiler is run, no warning), while on still asks for the kernel."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(expert_rows, "cpu_flags", lambda: frozenset(expert_rows.CPU_FLAGS))
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(native.CPU_FLAGS))
     monkeypatch.setenv("MOE_EXPERTS_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # were a build tried, it would fail and warn
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "auto")
@@ -129,3 +135,133 @@ def test_row_kernel_is_not_built_beside_an_accelerator(fresh_state, monkeypatch,
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "on")
     with pytest.raises(RuntimeError, match="MOE_JAX_ROW_KERNEL=on, but the row kernel cannot run: false failed"):
         expert_loop.uses_row_kernel(8, 4, *bf16)
+
+
+# --- the torch binding ----------------------------------------------------------------------------------------------
+
+TORCH_REASON = torch_rows.unavailable()
+needs_torch_kernel = pytest.mark.skipif(TORCH_REASON is not None,
+                                        reason=f"the torch row kernel cannot run here: {TORCH_REASON}")
+
+
+@pytest.fixture
+def fresh_torch_state():
+    torch_rows.unavailable.cache_clear()
+    native.warn_once.cache_clear()
+    yield
+    torch_rows.unavailable.cache_clear()
+    native.warn_once.cache_clear()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("way", list(WAYS))
+@needs_torch_kernel
+def test_torch_row_kernel_matches_float64(way, threads, monkeypatch):
+    """Groups of 0, 1, 3, 17 and 40 rows (an expert twice), x rows read with a stride past K, output rows at other
+    offsets than the input's; N with a tail under the AMX tiles' 16 rows and K off 32 (the AVX512 way) too."""
+    monkeypatch.setenv("MOE_TORCH_ROW_KERNEL_AMX", WAYS[way])
+    if way == "amx" and not torch_rows.amx():
+        pytest.skip("the CPU has no AMX")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(7)
+    for E, N, K in ((5, 200, 64), (3, 70, 96), (2, 9, 40)):
+        x = torch.randn(90, K + 8, generator=gen).bfloat16()[:, :K]  # rows K + 8 apart
+        table = torch.randn(E, N, K, generator=gen).bfloat16()
+        x_row, out_row, rows, expert = [0, 5, 5, 8, 25], [60, 0, 3, 10, 40], [0, 3, 1, 17, 40], [1, 0, E - 1, 1, 0]
+        out = torch_rows.grouped_rows(x, table, 80, x_row, out_row, rows, expert)
+        assert out.shape == (80, N) and out.dtype == torch.float32
+        for xr, orow, r, e in zip(x_row, out_row, rows, expert):
+            want = x[xr:xr + r].double() @ table[e].double().T
+            got = out[orow:orow + r].double()
+            assert torch.linalg.norm(got - want) <= 1e-6 * torch.linalg.norm(want), (E, N, K, r)
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+@needs_kernel
+@needs_torch_kernel
+def test_torch_and_jax_row_kernels_give_the_same_bits(way, monkeypatch):
+    """The same kernel from both frameworks: bit-identical outputs on the same inputs, in either way."""
+    for variable in ("MOE_TORCH_ROW_KERNEL_AMX", "MOE_JAX_ROW_KERNEL_AMX"):
+        monkeypatch.setenv(variable, WAYS[way])
+    if way == "amx" and not torch_rows.amx():
+        pytest.skip("the CPU has no AMX")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(24, 256, generator=gen).bfloat16()
+    table = torch.randn(4, 144, 256, generator=gen).bfloat16()
+    ours = torch_rows.grouped_rows(x, table, 24, [0], [0], [21], [2])[:21]
+    call = jax.jit(lambda a, b: expert_rows.expert_rows(a, b, 2, 21))  # traced here: the way is read at tracing
+    theirs = call(jnp.asarray(x.float().numpy(), jnp.bfloat16), jnp.asarray(table.float().numpy(), jnp.bfloat16))
+    np.testing.assert_array_equal(ours.numpy(), np.asarray(theirs)[:21])
+
+
+def _torch_ops(fn) -> dict[str, int]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "batched_mm"])
+@needs_torch_kernel
+def test_torch_backends_run_the_row_kernel(backend, monkeypatch):
+    """bfloat16 on the CPU at few rows per expert: one kernel call per projection (no matmul op) at inference, and
+    in batched_mm's training forward (its autograd functions' own backward); none in float32 or with
+    MOE_TORCH_ROW_KERNEL=off, nor in grouped_mm's differentiated forward. Forward and every gradient within the
+    tolerance table each way."""
+    arrays, dy = random_case(23, T=24, H=96, I=48, E=6, k=2, bias=False, empty_fraction=0.1)
+    args = [arrays[n] for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")]
+    expected = reference.experts_backward(*args, dy, activation="silu")
+    expected["out"] = reference.experts_forward(*args, activation="silu")
+
+    def run(dtype, train):
+        values = {n: torch.from_numpy(np.ascontiguousarray(a)) if n == "top_k_index" else
+                  torch.from_numpy(np.ascontiguousarray(a)).to(dtype).requires_grad_(train) for n, a in arrays.items()}
+        result = {}
+
+        def call():
+            out = torch_experts_forward(**values, implementation=backend)
+            if train:
+                out.backward(torch.from_numpy(dy).to(dtype))
+            result["out"] = out
+
+        ops = _torch_ops(call)
+        grads = {n: v.grad for n, v in values.items() if train and n in DIFF_ARGS}
+        return ops.get(torch_rows.PROFILER_NAME, 0), result["out"].detach(), grads
+
+    cases = [("auto", torch.bfloat16, False, 2), ("off", torch.bfloat16, False, 0), ("auto", torch.float32, False, 0),
+             ("auto", torch.bfloat16, True, 2 if backend == "batched_mm" else 0)]
+    for setting, dtype, train, calls in cases:
+        monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", setting)
+        ran, out, grads = run(dtype, train)
+        assert ran == calls, (setting, dtype, train, ran)
+        name = str(dtype).removeprefix("torch.")
+        assert_close("out", out.double().numpy(), expected["out"], name)
+        for n, g in grads.items():
+            assert_close(f"grad_{n}", g.double().numpy(), expected[n], name)
+
+
+@needs_torch_kernel
+def test_torch_row_kernel_takes_few_rows_per_expert_only(monkeypatch):
+    """A grouped matmul runs on the kernel under MEAN_ROWS rows per expert with rows (idle experts not counted),
+    and never under torch.compile, where the compiler sees the torch ops."""
+    bound = torch_rows.MEAN_ROWS[torch_rows.amx()]
+    few = torch.tensor([0, bound - 1, bound - 1, 2 * bound - 2], dtype=torch.int32)  # two experts with rows
+    assert torch_rows.expert_groups(few) == ([0, bound - 1], [bound - 1, bound - 1], [1, 3])
+    assert torch_rows.expert_groups(torch.tensor([bound, 2 * bound], dtype=torch.int32)) is None
+    x, table = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(2, 16, 32, dtype=torch.bfloat16)
+    assert torch_rows.applies(x, table)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not torch_rows.applies(x, table)
+
+
+def test_torch_row_kernel_says_why_it_cannot_run(fresh_torch_state, monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw"}))
+    assert torch_rows.unavailable() == "the CPU lacks avx512_bf16"
+    x, table = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(2, 16, 32, dtype=torch.bfloat16)
+    monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", "auto")
+    assert not torch_rows.applies(x, table)  # torch.mm instead, no warning
+    monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", "on")
+    with pytest.raises(RuntimeError, match="MOE_TORCH_ROW_KERNEL=on, but the row kernel cannot run: the CPU lacks"):
+        torch_rows.applies(x, table)
+    monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", "yes")
+    with pytest.raises(ValueError, match=r"MOE_TORCH_ROW_KERNEL: expected one of \('auto', 'on', 'off'\), got 'yes'"):
+        torch_rows.applies(x, table)

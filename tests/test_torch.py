@@ -216,13 +216,15 @@ def _ops_run(fn) -> set[str]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_grouped_mm_uses_the_native_kernel_when_aligned(dtype):
+def test_grouped_mm_uses_the_native_kernel_when_aligned(dtype, monkeypatch):
+    monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", "off")  # bfloat16 at few rows per expert takes the row kernel
     tensors = to_torch(random_case(4, T=16, H=32, I=16, E=4, k=2, bias=False)[0], dtype)
     ops = _ops_run(lambda: experts_forward(**tensors, implementation="grouped_mm"))
     assert "aten::_grouped_mm" in ops and "moe_torch::grouped_mm_loop" not in ops
 
 
-def test_grouped_mm_falls_back_to_the_loop_op_when_unaligned():
+def test_grouped_mm_falls_back_to_the_loop_op_when_unaligned(monkeypatch):
+    monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", "off")
     tensors = to_torch(random_case(4, T=16, H=18, I=10, E=4, k=2, bias=False)[0], "bfloat16")
     ops = _ops_run(lambda: experts_forward(**tensors, implementation="grouped_mm"))
     assert "moe_torch::grouped_mm_loop" in ops and "aten::_grouped_mm" not in ops

@@ -2,8 +2,9 @@
 
 Fast for a handful of tokens (no sort, no host sync in the forward); the gathered weights are T*k copies of an
 expert's. On the CPU, uncompiled, nothing is gathered: each slot takes one matmul on its expert's weights in place
-(IN_PLACE_DEVICES); compiled, the slots go through in chunks whose gathered weights stay in cache (a few MB each,
-never one huge buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one
+(IN_PLACE_DEVICES; in bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``);
+compiled, the slots go through in chunks whose gathered weights stay in cache (a few MB each, never one huge
+buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one
 matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient; on CUDA one K-grouped
 ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted rows, on the CPU
 through the forward's way again (in place, or gathered in chunks when compiled). Training with a named activation
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import expert_rows
 from ..base import (Slots, add_bias, as_dtype, combine, combine_grads, expert_ends, gate, gate_grad,
                     gate_with_activation, masked_weights, sort_keys, sum_over_k, takes_grad, unsort_rows)
 from .grouped_mm import grouped_linear, grouped_weight_grad
@@ -40,6 +42,8 @@ def _in_place(table: torch.Tensor) -> bool:
 def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transpose: bool = False):
     """out[s] = table[ids[s]] @ x[s] ([E, N, K], [S, K] -> [S, N]); ``transpose``: table[ids[s]].T @ x[s]."""
     if _in_place(table):
+        if not transpose and expert_rows.applies(x, table):
+            return _rows_on_kernel(x, table, ids, slots_per_row=1)
         out = x.new_empty(x.shape[0], table.shape[2] if transpose else table.shape[1])
         for s, e in enumerate(ids.tolist()):
             torch.mm(x[s:s + 1], table[e] if transpose else table[e].T, out=out[s:s + 1])
@@ -139,10 +143,20 @@ def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: 
     """table[ids[s]] @ x[s // k] for every slot s, not differentiated. On one chunk and without ``per_slot``: each
     token's k gathered matrices as one [k*N, K] matrix times the token's row (no copy of x per slot); else a row per
     slot (the products the differentiated path computes)."""
+    if not per_slot and _in_place(table) and expert_rows.applies(x, table):
+        return _rows_on_kernel(x, table, ids, slots_per_row=k)
     if not per_slot and not _in_place(table) and _chunks(T * k, table) is None:
         N, K = table.shape[1:]
         return torch.bmm(table[ids].reshape(T, k * N, K), x.unsqueeze(2)).view(T * k, N)
     return _slot_products(_per_slot(x, T, k), table, ids)
+
+
+def _rows_on_kernel(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slots_per_row: int) -> torch.Tensor:
+    """table[ids[s]] @ x[s // slots_per_row] for every slot s on the CPU row kernel: one row per group, the
+    weights read in place."""
+    slots = ids.shape[0]
+    x_row = range(slots) if slots_per_row == 1 else [s // slots_per_row for s in range(slots)]
+    return expert_rows.grouped_rows(x, table, slots, x_row, range(slots), [1] * slots, ids.tolist()).to(x.dtype)
 
 
 class _TrainingStep(torch.autograd.Function):

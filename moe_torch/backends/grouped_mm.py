@@ -1,9 +1,10 @@
 """grouped_mm: sort the slots by expert, one grouped matmul per projection over per-expert offsets.
 
 The grouped matmul is ``torch.nn.functional.grouped_mm`` where it supports the dtype, device and strides, else the
-``moe_torch::grouped_mm_loop`` custom op (a per-expert loop, opaque to torch.compile). Both are exact per-expert
-matmuls; the combine is a gather back to slot order and a sum over k (no atomics on any device). The backward has
-no atomics either: the row gathers carry their own gradients (a per-token sum over k in float32, a per-expert bias
+``moe_torch::grouped_mm_loop`` custom op (a per-expert loop, opaque to torch.compile); on the CPU in bfloat16 at
+inference with few rows per expert, the CPU row kernel (``moe_torch.expert_rows``). All are per-expert matmuls; the
+combine is a gather back to slot order and a sum over k (no atomics on any device). The backward has no atomics
+either: the row gathers carry their own gradients (a per-token sum over k in float32, a per-expert bias
 sum as a one-hot matmul, the inverse permutation), so it gives the same bits on every run.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import expert_rows
 from ..base import RowGather, Slots, TokenRows, combine, expert_ends, gate, sort_by_expert, takes_grad, unsort_rows
 
 NAME = "grouped_mm"
@@ -150,7 +152,13 @@ grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)
 
 
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """[S, K] x [E, N, K] -> [S, N], rows grouped by expert at the int32 end offsets ``offs``."""
+    """[S, K] x [E, N, K] -> [S, N], rows grouped by expert at the int32 end offsets ``offs``: on the CPU row
+    kernel at few rows per expert where it applies (``expert_rows``), else F.grouped_mm or the loop."""
+    if expert_rows.applies(a, w):
+        groups = expert_rows.expert_groups(offs)
+        if groups is not None:
+            starts, counts, experts = groups
+            return expert_rows.grouped_rows(a, w, a.shape[0], starts, starts, counts, experts).to(a.dtype)
     # F.grouped_mm's backward also takes the output gradient [S, N]: its rows must be 16-byte aligned too
     differentiated = torch.is_grad_enabled() and (a.requires_grad or w.requires_grad)
     if native_supported(a, w) and not (differentiated and (w.shape[1] * a.element_size()) % _ALIGN):

@@ -1,0 +1,75 @@
+// moe_grouped_rows (C ABI, called through ctypes): moe_shared's CPU row kernel (expert_rows.h) over a list of
+// groups of one [E, N, K] bfloat16 weight tensor, each group `rows[g]` rows of x [*, K] from row x_row[g] times
+// weights[expert[g]] transposed, into float32 out [*, N] from row out_row[g]. The groups' chunks are taken by the
+// calling thread and by up to threads - 1 workers of this library's own pool (started at the first call that asks
+// for them, then waiting on a condition variable). Returns 0, or 1 where AMX was asked for and the kernel refused
+// it.
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "expert_rows.h"
+
+namespace {
+
+class Pool {
+ public:
+  void Run(const std::shared_ptr<moe_rows::Job>& job, int threads) {
+    if (threads > 1 && job->chunks() > 1) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        while (static_cast<int>(workers_.size()) < threads - 1) workers_.emplace_back([this] { Work(); });
+        job_ = job;
+        wanted_ = threads - 1;
+        ++generation_;
+      }
+      wake_.notify_all();
+    }
+    job->Run();
+    job->Wait();
+  }
+
+ private:
+  void Work() {
+    uint64_t seen = 0;
+    for (;;) {
+      std::shared_ptr<moe_rows::Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen && wanted_ > 0; });
+        seen = generation_;
+        --wanted_;
+        job = job_;
+      }
+      job->Run();  // a worker that wakes late finds no chunk left
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<std::thread> workers_;
+  std::shared_ptr<moe_rows::Job> job_;
+  uint64_t generation_ = 0;
+  int wanted_ = 0;
+};
+
+Pool& ThePool() {
+  static Pool* pool = new Pool();  // never destroyed: its workers wait until the process ends
+  return *pool;
+}
+
+}  // namespace
+
+extern "C" int moe_grouped_rows(const uint16_t* x, int64_t x_stride, const uint16_t* w, float* out, int64_t N,
+                                int64_t K, int64_t groups, const int64_t* x_row, const int64_t* out_row,
+                                const int64_t* rows, const int64_t* expert, int amx, int threads) {
+  std::vector<moe_rows::Group> list;
+  list.reserve(groups);
+  for (int64_t g = 0; g < groups; ++g)
+    list.push_back({x + x_row[g] * x_stride, w + expert[g] * N * K, out + out_row[g] * N, rows[g], x_stride});
+  auto job = std::make_shared<moe_rows::Job>();
+  if (!job->Prepare(std::move(list), {N, K}, amx != 0)) return 1;
+  ThePool().Run(job, threads);
+  return 0;
+}

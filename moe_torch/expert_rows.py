@@ -1,0 +1,98 @@
+"""The CPU row kernel for torch: few rows per expert times the expert's bfloat16 weights read where they lie.
+
+At decode, ``torch.mm`` on an expert's weights (oneDNN) takes as long for one row as for 16 or 32: qwen3-cpu's
+gate/up weights [768, 1024] on a 2-core Xeon with AMX, 86-109 us per expert at 1 to 16 rows, against 42-60 us on
+this kernel (82 against 121 at 32 rows, 147 against 159 at 64). The kernel is ``moe_shared/kernels/expert_rows.h``
+(AMX tiles where the CPU has them, else AVX512-BF16 dot products), the same one moe_jax's expert loop runs;
+``expert_rows.cc`` binds it as a C entry point (called through ctypes) that takes a whole list of groups per call and shares their
+work between the calling thread and its own workers (``torch.get_num_threads()`` threads in all). It is built on
+first use (``moe_shared.native``).
+
+``MOE_TORCH_ROW_KERNEL``: ``auto`` (default) uses it where the host has AVX512-BF16 and the build succeeds, else
+``torch.mm`` (with a warning when the build failed); ``on`` raises ``RuntimeError`` with the reason where it cannot
+run; ``off`` never uses it. ``MOE_TORCH_ROW_KERNEL_AMX=0``: no AMX. Used in eager mode only (torch.compile sees
+the torch ops), for bfloat16 on the CPU, where nothing it computes is differentiated by autograd.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from moe_shared import native
+
+SOURCE = Path(__file__).with_name("expert_rows.cc")
+VARIABLE = "MOE_TORCH_ROW_KERNEL"
+PROFILER_NAME = "moe_torch::expert_rows"
+# mean rows per group under which a grouped matmul runs on the kernel (by amx()): qwen3-cpu gate/up on a 2-core Xeon
+# with AMX, per expert, against torch.mm: 44 against 94 us at 1 row, 60 against 109 at 16, 128 against 142 at 48,
+# 147 against 159 at 64; without AMX as for moe_jax (its AVX512 way not measured against torch.mm)
+MEAN_ROWS = {True: 64, False: 8}
+_LIBRARY: list = []
+_INDEX = ctypes.POINTER(ctypes.c_int64)
+
+
+@cache
+def unavailable() -> str | None:
+    """Why the row kernel cannot run on this host (None: it is built and loaded)."""
+    library, reason = native.load(SOURCE, key="c-abi")
+    if library is not None:
+        entry = library.moe_grouped_rows
+        entry.restype = ctypes.c_int
+        entry.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                          ctypes.c_int64, ctypes.c_int64, _INDEX, _INDEX, _INDEX, _INDEX, ctypes.c_int, ctypes.c_int]
+        _LIBRARY.append(entry)
+    return reason
+
+
+def enabled() -> bool:
+    """Whether moe_torch's CPU paths use the row kernel (see ``MOE_TORCH_ROW_KERNEL``)."""
+    return native.enabled(VARIABLE, unavailable, "moe_torch runs torch.mm on each expert's rows")
+
+
+def amx() -> bool:
+    """Whether the kernel runs on AMX tiles (``native.amx``), else on AVX512-BF16 dot products."""
+    return native.amx(VARIABLE)
+
+
+def applies(x: torch.Tensor, table: torch.Tensor) -> bool:
+    """Whether ``x`` [*, K] times ``table`` [E, N, K] (each row by one expert's weights, transposed) can run on the
+    kernel here: eager mode, the CPU, bfloat16, K-contiguous rows, nothing that autograd differentiates."""
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.bfloat16
+            and table.dtype == torch.bfloat16 and x.dim() == 2 and table.dim() == 3 and x.stride(-1) == 1
+            and table.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or table.requires_grad)) and enabled())
+
+
+def expert_groups(offs: torch.Tensor) -> tuple[list[int], list[int], list[int]] | None:
+    """(first row, rows, expert) of each expert with rows, from the int32 end offsets ``offs`` of rows sorted by
+    expert (one host read), if the mean rows per such expert is under MEAN_ROWS; else None."""
+    starts, counts, experts, start = [], [], [], 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            starts.append(start), counts.append(end - start), experts.append(e)
+        start = end
+    return (starts, counts, experts) if start < MEAN_ROWS[amx()] * max(len(counts), 1) else None
+
+
+def grouped_rows(x: torch.Tensor, table: torch.Tensor, out_rows: int, x_row: Sequence[int], out_row: Sequence[int],
+                 rows: Sequence[int], expert: Sequence[int]) -> torch.Tensor:
+    """float32 [out_rows, N]: for each group g, ``rows[g]`` rows of ``x`` from ``x_row[g]`` times
+    ``table[expert[g]]`` [N, K] transposed, written from row ``out_row[g]``; rows no group writes are left as
+    allocated. Call where ``applies(x, table)``; the groups must lie inside ``x`` and the output."""
+    N, K = table.shape[1:]
+    out = torch.empty(out_rows, N, dtype=torch.float32)
+    groups = len(rows)
+    if groups == 0 or N == 0:
+        return out
+    arrays = [(ctypes.c_int64 * groups)(*values) for values in (x_row, out_row, rows, expert)]
+    with torch.profiler.record_function(PROFILER_NAME):  # what the profiler shows (ctypes calls are not ops)
+        refused = _LIBRARY[0](x.data_ptr(), x.stride(0), table.data_ptr(), out.data_ptr(), N, K, groups, *arrays,
+                              int(amx()), torch.get_num_threads())
+    if refused:
+        raise RuntimeError("moe_torch's CPU row kernel: the kernel refused AMX tile data")
+    return out

@@ -1,0 +1,215 @@
+// The CPU row kernel, shared by both frameworks' bindings (moe_jax/expert_rows.cc, an XLA FFI handler on XLA's
+// intra-op pool; moe_torch/expert_rows.cc, a C entry point with its own worker threads).
+//
+// One job is a list of groups sharing N and K: group g computes out_g[b, n] = sum_k x_g[b, k] * w_g[n, k] in
+// float32 for its `rows` rows b, with the expert's bfloat16 weights w_g [N, K] read where they lie (a slice of a
+// stacked [E, N, K] tensor: nothing is copied). Two ways:
+// - AMX: tiles of 16 weight rows by 32 k, loaded in place, times x's rows packed in pairs of k (the B operand's
+//   layout), 32 weight rows by 32 x rows at a time (four accumulator tiles); a tail of under 16 weight rows and
+//   a k width that is not a multiple of 32 take the AVX512 way.
+// - AVX512-BF16 dot products, 4 x rows by 4 weight rows per step.
+// A job's work is its groups' weight rows in chunks of 64; the threads that run it take chunks until none is left.
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include <immintrin.h>
+
+#if !defined(__AVX512BF16__) || !defined(__AVX512BW__)
+#error "expert_rows.h is built with -mavx512f -mavx512bw -mavx512bf16 -mamx-tile -mamx-bf16"
+#endif
+
+namespace moe_rows {
+
+constexpr int64_t kTile = 4;         // x rows and weight rows per register block
+constexpr int64_t kChunkRows = 64;   // weight rows per unit of work shared between the threads
+constexpr int64_t kAmxRows = 16;     // weight rows per AMX tile (and x rows per accumulator tile)
+constexpr int64_t kAmxK = 32;        // k per AMX tile
+
+struct Group {
+  const uint16_t* x;  // [rows, K], row stride x_stride
+  const uint16_t* w;  // [N, K], the expert's
+  float* out;         // [rows, N], row stride N
+  int64_t rows;
+  int64_t x_stride;
+  const uint32_t* packed = nullptr;  // AMX: x's rows as B tiles (PackRows)
+};
+
+struct Shape {
+  int64_t N, K;
+};
+
+inline void RowsOfChunk(const Group& g, const Shape& s, int64_t n0, int64_t n1) {
+  const int64_t K = s.K, full = K / 32 * 32;
+  const __mmask32 tail = K == full ? 0 : static_cast<__mmask32>((1ull << (K - full)) - 1);
+  for (int64_t n = n0; n < n1; n += kTile) {
+    const int64_t nn = n1 - n < kTile ? n1 - n : kTile;
+    const uint16_t* wr[kTile];
+    for (int64_t j = 0; j < kTile; ++j) wr[j] = g.w + (n + (j < nn ? j : 0)) * K;
+    for (int64_t b = 0; b < g.rows; b += kTile) {
+      const int64_t bb = g.rows - b < kTile ? g.rows - b : kTile;
+      const uint16_t* xr[kTile];
+      for (int64_t i = 0; i < kTile; ++i) xr[i] = g.x + (b + (i < bb ? i : 0)) * g.x_stride;
+      __m512 acc[kTile][kTile];
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm512_setzero_ps();
+      auto step = [&](auto load) {
+        __m512bh wv[kTile];
+        for (int64_t j = 0; j < kTile; ++j) wv[j] = load(wr[j]);
+        for (int64_t i = 0; i < kTile; ++i) {
+          const __m512bh xv = load(xr[i]);
+          for (int64_t j = 0; j < kTile; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+      };
+      for (int64_t k = 0; k < full; k += 32)
+        step([k](const uint16_t* r) { return (__m512bh)_mm512_loadu_si512(r + k); });
+      if (tail) step([&](const uint16_t* r) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, r + full); });
+      for (int64_t i = 0; i < bb; ++i)
+        for (int64_t j = 0; j < nn; ++j) g.out[(b + i) * s.N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+    }
+  }
+}
+
+// tmm0, tmm1: weight tiles; tmm2, tmm3: packed x tiles; tmm4..7: accumulators, [weight tile][x tile], each 16
+// weight rows by 16 x rows in float32
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void LoadTiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+// x's rows as B tiles: for x tile t and k chunk c, 16 k pairs by 16 rows, each pair two bfloat16 (one uint32)
+inline std::vector<uint32_t> PackRows(const Group& g, int64_t K) {
+  const int64_t tiles = (g.rows + kAmxRows - 1) / kAmxRows, chunks = K / kAmxK, pairs = K / 2;
+  std::vector<uint32_t> packed(tiles * chunks * 256, 0);
+  for (int64_t b = 0; b < g.rows; ++b) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(g.x + b * g.x_stride);
+    uint32_t* tile = packed.data() + (b / kAmxRows) * chunks * 256 + b % kAmxRows;
+    for (int64_t p = 0; p < pairs; ++p) tile[(p / 16) * 256 + (p % 16) * 16] = row[p];
+  }
+  return packed;
+}
+
+// 16 * kWeightTiles weight rows from n by 16 * kXTiles x rows from x tile t0
+template <int kWeightTiles, int kXTiles>
+__attribute__((target("amx-tile,amx-bf16"))) void AmxPass(const Group& g, const Shape& s, int64_t n, int64_t t0) {
+  const int64_t chunks = s.K / kAmxK, stride = s.K * 2;
+  const uint32_t* b = g.packed + t0 * chunks * 256;
+  _tile_zero(4);
+  if (kXTiles > 1) _tile_zero(5);
+  if (kWeightTiles > 1) _tile_zero(6);
+  if (kWeightTiles > 1 && kXTiles > 1) _tile_zero(7);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint16_t* w = g.w + n * s.K + c * kAmxK;
+    _tile_loadd(0, w, stride);
+    _tile_loadd(2, b + c * 256, 64);
+    if (kWeightTiles > 1) _tile_loadd(1, w + kAmxRows * s.K, stride);
+    if (kXTiles > 1) _tile_loadd(3, b + (chunks + c) * 256, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if (kXTiles > 1) _tile_dpbf16ps(5, 0, 3);
+    if (kWeightTiles > 1) _tile_dpbf16ps(6, 1, 2);
+    if (kWeightTiles > 1 && kXTiles > 1) _tile_dpbf16ps(7, 1, 3);
+  }
+  alignas(64) float acc[4][kAmxRows * 16];
+  _tile_stored(4, acc[0], 64);
+  if (kXTiles > 1) _tile_stored(5, acc[1], 64);
+  if (kWeightTiles > 1) _tile_stored(6, acc[2], 64);
+  if (kWeightTiles > 1 && kXTiles > 1) _tile_stored(7, acc[3], 64);
+  for (int64_t wt = 0; wt < kWeightTiles; ++wt)
+    for (int64_t xt = 0; xt < kXTiles; ++xt)
+      for (int64_t i = 0; i < 16 && (t0 + xt) * 16 + i < g.rows; ++i) {
+        float* out = g.out + ((t0 + xt) * 16 + i) * s.N + n + wt * kAmxRows;
+        for (int64_t r = 0; r < kAmxRows; ++r) out[r] = acc[wt * 2 + xt][r * 16 + i];
+      }
+}
+
+template <int kWeightTiles>
+void AmxWeightRows(const Group& g, const Shape& s, int64_t n, int64_t tiles) {
+  for (int64_t t0 = 0; t0 < tiles; t0 += 2)
+    if (tiles - t0 > 1)
+      AmxPass<kWeightTiles, 2>(g, s, n, t0);
+    else
+      AmxPass<kWeightTiles, 1>(g, s, n, t0);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void AmxRowsOfChunk(const Group& g, const Shape& s, int64_t n0,
+                                                                        int64_t n1) {
+  const int64_t tiles = (g.rows + kAmxRows - 1) / kAmxRows;
+  LoadTiles();
+  int64_t n = n0;
+  for (; n + 2 * kAmxRows <= n1; n += 2 * kAmxRows) AmxWeightRows<2>(g, s, n, tiles);
+  for (; n + kAmxRows <= n1; n += kAmxRows) AmxWeightRows<1>(g, s, n, tiles);
+  _tile_release();
+  if (n < n1) RowsOfChunk(g, s, n, n1);
+}
+
+// whether Linux grants this thread's process the AMX tile state (asked once; every thread then has it)
+inline bool AmxPermitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// A job: its groups' chunks, taken by every thread that calls Run until none is left. A thread that starts after
+// the last chunk was taken does nothing, so a job may be handed to threads that wake late.
+class Job {
+ public:
+  // false where AMX was asked for and the kernel refused it (Prepare must run before any thread runs the job)
+  bool Prepare(std::vector<Group> groups, Shape shape, bool amx) {
+    groups_ = std::move(groups);
+    shape_ = shape;
+    chunks_per_group_ = (shape.N + kChunkRows - 1) / kChunkRows;
+    chunks_ = chunks_per_group_ * static_cast<int64_t>(groups_.size());
+    amx_ = amx && shape.K % kAmxK == 0;
+    if (amx_) {
+      if (!AmxPermitted()) return false;
+      packed_.reserve(groups_.size());
+      for (Group& g : groups_) {
+        packed_.push_back(PackRows(g, shape.K));
+        g.packed = packed_.back().data();
+      }
+    }
+    return true;
+  }
+
+  int64_t chunks() const { return chunks_; }
+
+  void Run() {
+    for (int64_t c; (c = next_.fetch_add(1)) < chunks_;) {
+      const Group& g = groups_[c / chunks_per_group_];
+      const int64_t n0 = c % chunks_per_group_ * kChunkRows;
+      const int64_t n1 = n0 + kChunkRows < shape_.N ? n0 + kChunkRows : shape_.N;
+      if (g.rows > 0) {
+        if (amx_)
+          AmxRowsOfChunk(g, shape_, n0, n1);
+        else
+          RowsOfChunk(g, shape_, n0, n1);
+      }
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void Wait() const {
+    while (done_.load(std::memory_order_acquire) < chunks_) _mm_pause();
+  }
+
+ private:
+  std::vector<Group> groups_;
+  std::vector<std::vector<uint32_t>> packed_;
+  Shape shape_{};
+  int64_t chunks_per_group_ = 0, chunks_ = 0;
+  bool amx_ = false;
+  std::atomic<int64_t> next_{0}, done_{0};
+};
+
+}  // namespace moe_rows

@@ -1,0 +1,121 @@
+"""The CPU row kernel's builds (``kernels/expert_rows.h``, one binding per framework): compiled on the user's
+machine at first use with the host's C++ compiler (``$CXX``, else ``c++``) into ``$MOE_EXPERTS_CACHE`` (default
+``~/.cache/moe_experts``), cached by source, flags, compiler and the binding's own key (its framework's version).
+
+Each binding has a mode variable (``MOE_JAX_ROW_KERNEL``, ``MOE_TORCH_ROW_KERNEL``): ``auto`` (default) uses the
+kernel where the CPU has AVX512-BF16 and the build succeeds (warning once when the build fails); ``on`` raises
+``RuntimeError`` with the reason where it cannot run; ``off`` never uses it. ``<variable>_AMX=0`` keeps the kernel
+off AMX tiles (AVX512-BF16 dot products instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).with_name("kernels")  # expert_rows.h
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # as /proc/cpuinfo spells them
+AMX_FLAGS = ("amx_tile", "amx_bf16")
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512bf16",
+                 "-mamx-tile", "-mamx-bf16", "-w")
+MODES = ("auto", "on", "off")
+
+
+def mode(variable: str) -> str:
+    value = os.environ.get(variable, "auto")
+    if value not in MODES:
+        raise ValueError(f"{variable}: expected one of {MODES}, got {value!r}")
+    return value
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The host CPU's feature flags, as /proc/cpuinfo spells them (none where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def amx(variable: str) -> bool:
+    """Whether the kernel runs on AMX tiles: where the CPU has them, Linux grants this process their state and
+    ``<variable>_AMX`` is not ``0``."""
+    return os.environ.get(f"{variable}_AMX", "1") != "0" and _amx_granted()
+
+
+@cache
+def _amx_granted() -> bool:
+    if not all(flag in cpu_flags() for flag in AMX_FLAGS):
+        return False
+    try:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), as the kernel asks too
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MOE_EXPERTS_CACHE") or Path.home() / ".cache" / "moe_experts")
+
+
+def _build(compiler: str, source: Path, include_dirs: Sequence[str], key: str) -> Path:
+    """The shared library, compiled once per source, header, flags, compiler and key (RuntimeError when it
+    fails)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    texts = [source.read_text(), (KERNEL_DIR / "expert_rows.h").read_text()]
+    digest = hashlib.sha256("\0".join([*texts, *COMPILE_FLAGS, compiler, version, key]).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"{source.stem}-{digest}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    includes = [arg for d in (str(KERNEL_DIR), *include_dirs) for arg in ("-I", d)]
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = Path(scratch) / library.name
+        run = subprocess.run([compiler, *COMPILE_FLAGS, *includes, str(source), "-o", str(built)],
+                             capture_output=True, text=True, timeout=300)
+        if run.returncode:
+            raise RuntimeError(f"{compiler} failed on {source.name}: {run.stderr.strip()[-800:]}")
+        built.replace(library)  # atomic: concurrent builders leave one complete file
+    return library
+
+
+def load(source: Path, include_dirs: Sequence[str] = (), key: str = "") -> tuple[ctypes.CDLL | None, str | None]:
+    """(the built binding, None), or (None, why the row kernel cannot run on this host)."""
+    missing = [flag for flag in CPU_FLAGS if flag not in cpu_flags()]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not compiler:
+        return None, "no C++ compiler found (set CXX)"
+    try:
+        return ctypes.cdll.LoadLibrary(str(_build(compiler, source, include_dirs, key))), None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+        return None, str(error)
+
+
+def enabled(variable: str, unavailable: Callable[[], str | None], fallback: str) -> bool:
+    """Whether a binding uses the row kernel under ``variable``'s mode; ``unavailable()`` builds it (or says why
+    not); ``fallback`` says what runs instead, for the warning."""
+    chosen = mode(variable)
+    if chosen == "off":
+        return False
+    reason = unavailable()
+    if reason and chosen == "on":
+        raise RuntimeError(f"{variable}=on, but the row kernel cannot run: {reason}")
+    if reason and not reason.startswith("the CPU lacks"):
+        warn_once(reason, fallback)
+    return reason is None
+
+
+@cache
+def warn_once(reason: str, fallback: str) -> None:
+    warnings.warn(f"the CPU row kernel is not used ({reason}): {fallback}", RuntimeWarning, stacklevel=4)
