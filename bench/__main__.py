@@ -7,9 +7,11 @@ skipped, with the reason, when their estimated memory exceeds the budget or one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,14 +131,15 @@ def options(args: argparse.Namespace) -> Options:
         n_sets=args.sets, seed=args.seed,
         memory_budget=args.mem_budget_gib * GIB if args.mem_budget_gib else default_memory_budget(device),
         max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast, peers=not args.no_peers,
-        resumed=_resumed(args.resume, device, dtype) if args.resume else (), rounds=args.rounds,
+        rounds=args.rounds,
     )
 
 
-def _resumed(paths: str, device: torch.device, dtype: str) -> list[dict]:
-    """The records of earlier runs' JSON files, each marked with the run that measured it (``measured_in``); a point
-    in several files: the last file's."""
-    records = {}
+def _resumed(paths: str, device: torch.device, dtype: str) -> tuple[list[dict], list[dict]]:
+    """The records of earlier runs' JSON files, each marked with the run that measured it (``measured_in``), and
+    their skipped points (out of memory, too slow, too large: not tried again); a point in several files: the last
+    file's."""
+    records, skipped = {}, {}
     for path in (Path(p.strip()) for p in paths.split(",") if p.strip()):
         try:
             data = json.loads(path.read_text())
@@ -150,7 +153,10 @@ def _resumed(paths: str, device: torch.device, dtype: str) -> list[dict]:
         run = {k: meta.get(k) for k in ("date", "commit")} | {"file": path.name}
         for r in data.get("records", []):
             records[point_key(r)] = r if "measured_in" in r else r | {"measured_in": run}
-    return list(records.values())
+        for s in meta.get("skipped", []):
+            if s.get("tokens") is not None:  # a whole series' skip (e.g. an unavailable variant) is decided anew
+                skipped[point_key(s)] = s if "skipped_in" in s else s | {"skipped_in": run}
+    return list(records.values()), [s for key, s in skipped.items() if key not in records]
 
 
 def _list(opts: Options) -> int:
@@ -163,10 +169,18 @@ def _list(opts: Options) -> int:
     return 0
 
 
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)  # SIGTERM (e.g. `timeout`): the results written after the last point stay
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
     args = parse_args(argv)
     opts = options(args)
+    if args.resume:
+        records, skipped = _resumed(args.resume, opts.device, opts.dtype)
+        opts = dataclasses.replace(opts, resumed=records, resumed_skips=skipped)
+    signal.signal(signal.SIGTERM, _stop)
     if args.list:
         return _list(opts)
     if args.compile is None:

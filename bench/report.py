@@ -125,7 +125,10 @@ def summary(meta: Mapping, unavailable: Mapping[str, Mapping[str, str]], skipped
 
 
 def write_json(path: Path, meta: Mapping, records: Sequence[Mapping]) -> None:
-    path.write_text(json.dumps({"meta": dict(meta), "records": [dict(r) for r in records]}, indent=1) + "\n")
+    """Written whole or not at all (a run stopped mid-write leaves the previous file)."""
+    scratch = path.with_name(path.name + ".part")
+    scratch.write_text(json.dumps({"meta": dict(meta), "records": [dict(r) for r in records]}, indent=1) + "\n")
+    scratch.replace(path)
 
 
 CSV_KEYS = (*RECORD_KEYS, "measured_in")  # measured_in: "<date> <commit>" of an earlier run (--resume), else empty

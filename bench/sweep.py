@@ -47,6 +47,7 @@ class Options:
     fail_fast: bool = False
     peers: bool = True  # run the peer series whose package is importable
     resumed: Sequence[dict] = ()  # records of an earlier run (--resume): kept, and their points not run again
+    resumed_skips: Sequence[dict] = ()  # points an earlier run skipped (--resume): kept as skipped, not tried again
     rounds: int = 1  # times every point of a (config, tokens) is timed, interleaved; its samples pooled
 
 
@@ -93,7 +94,7 @@ def _inference_only(framework: str, backend: str) -> bool:
 def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, results: Results) -> list[Point]:
     itemsize = torch.empty(0, dtype=getattr(torch, opts.dtype)).element_size()
     device_class = opts.device.type
-    done = {point_key(r) for r in opts.resumed}
+    done = {point_key(r) for r in (*opts.resumed, *opts.resumed_skips)}
     points = []
     for fw, runner in runners.items():
         available = runner.availability()
@@ -117,9 +118,9 @@ def _plan(opts: Options, runners: dict[str, Runner], peaks: roofline.Peaks, resu
                             shape = budget.Shape(cfg, tokens, mode, itemsize)
                             cost_like = PEERS[backend].counterpart if backend in PEERS else backend
                             est = budget.estimate(fw, cost_like, device_class, shape, peaks, opts.n_sets)
-                            skip = budget.skip_reason(est, opts.memory_budget, opts.max_call_s)
                             if (fw, backend, cfg.name, tokens, mode, variant) in done:
                                 continue
+                            skip = budget.skip_reason(est, opts.memory_budget, opts.max_call_s)
                             if skip is None:
                                 points.append(Point(fw, backend, cfg, tokens, mode, variant))
                             else:
@@ -160,9 +161,13 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
     """Every planned point; ``checkpoint`` is called with the results so far after each one."""
     dtype = getattr(torch, opts.dtype)
     peaks = roofline.measure_peaks(opts.device, dtype)
-    results = Results(peaks, records=[r for r in opts.resumed if r["config"] in {c.name for c in opts.configs}])
+    names = {c.name for c in opts.configs}
+    results = Results(peaks, records=[r for r in opts.resumed if r["config"] in names])
+    results.skipped.extend(s for s in opts.resumed_skips if s["config"] in names)
     runners = {fw: RUNNERS[fw](opts.device) for fw in opts.frameworks}
     points = _plan(opts, runners, peaks, results)
+    if checkpoint is not None:  # the files exist from the start, holding what was resumed
+        checkpoint(results)
     references: dict[tuple[str, int], np.ndarray] = {}
     slow = SlowSeries(opts.max_point_s)
     bar = progress(len(points))
@@ -201,8 +206,10 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
                         for p in list(measured):
                             bar.set_description(f"{cfg.name} {series(fw, p.backend, p.variant, p.mode)} T={tokens}")
                             m = _measure_point(p, runner, opts, results, bar)
-                            if m is None:
+                            if m is None:  # skipped (out of memory) or failed: recorded, and written out now
                                 del measured[p]
+                                if checkpoint is not None:
+                                    checkpoint(results)
                             else:
                                 measured[p].append(m)
                             if round_ == opts.rounds - 1:

@@ -138,6 +138,39 @@ def test_resume_keeps_earlier_records_and_runs_only_new_points(smoke, tmp_path):
     assert sorted(new) == sorted(("torch", "grouped_mm", "tiny", 16, mode, None) for mode in ("fwd", "fwd+bwd"))
 
 
+def test_resume_keeps_earlier_skips_and_does_not_try_them_again(smoke, tmp_path):
+    data = json.loads(_one(smoke, ".json").read_text())
+    oom = {"framework": "torch", "backend": "grouped_mm", "config": "tiny", "tokens": 16, "mode": "fwd",
+           "compiled": False, "compile_mode": None, "reason": "out of memory: (injected)"}
+    data["meta"]["skipped"] = [oom]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(data))
+    written = json.loads(_resume_run(tmp_path / "out", str(earlier), "1,8,16").read_text())
+    new = [point_key(r) for r in written["records"] if "measured_in" not in r]
+    assert new == [("torch", "grouped_mm", "tiny", 16, "fwd+bwd", None)]
+    (kept,) = [s for s in written["meta"]["skipped"] if s["tokens"] == 16]
+    assert kept["reason"] == oom["reason"] and kept["skipped_in"]["file"] == "earlier.json"
+
+
+def test_a_stopped_run_leaves_the_resumed_points_written(smoke, tmp_path, monkeypatch):
+    """The results files exist from the start and are rewritten after every point, so a run stopped partway
+    (SIGTERM from `timeout` ends it with SystemExit) can be resumed from them even if no point finished."""
+    from bench import sweep
+
+    def stopped(*args, **kwargs):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(sweep, "_measure_point", stopped)
+    earlier = _one(smoke, ".json")
+    with pytest.raises(SystemExit):
+        _resume_run(tmp_path, str(earlier), "1,8,16")
+    (folder,) = tmp_path.iterdir()
+    written = json.loads(_one(folder, ".json").read_text())
+    assert written["meta"]["complete"] is False
+    assert sorted(map(point_key, written["records"])) == sorted(map(point_key, json.loads(earlier.read_text())["records"]))
+    assert not list(folder.glob("*.part"))
+
+
 def test_resume_refuses_another_device(smoke, tmp_path):
     data = json.loads(_one(smoke, ".json").read_text())
     data["meta"]["device_tag"] = "nvidia-h200"
