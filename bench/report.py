@@ -120,7 +120,7 @@ def summary(meta: Mapping, unavailable: Mapping[str, Mapping[str, str]], skipped
     for cfg, per_fw in crossover.items():
         for fw, c in per_fw.items():
             lines.append(f"decode crossover {cfg} {fw} ({meta['device_class']}): batched_mm beats grouped_mm up to "
-                         f"{c['tokens']} tokens = {c['slots']} slots (T*k)")
+                         f"{c['tokens']} tokens = {c['slots']} slots (T*k) = {c['mib']:g} MiB of weights gathered")
     return "\n".join(lines)
 
 

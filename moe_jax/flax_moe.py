@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from moe_shared import check_activation
-from moe_shared.switching import apply_request, auto_backend, summarize
+from moe_shared.switching import apply_request, auto_backend, expert_bytes, summarize
 
 from . import parallel
 from .api import BACKENDS, experts_forward
@@ -29,13 +29,14 @@ def _check_backend(name) -> None:
         BACKENDS[name]
 
 
-def resolve_backend(backend: str, hidden_states, top_k_index) -> str:
-    """The backend a call runs: ``backend`` itself, or for "auto" the spec's decode switch (batched_mm while
-    T*k is at most the threshold of the device class, grouped_mm beyond). Shapes are static under jit, so the
-    choice is made at trace time."""
+def resolve_backend(backend: str, hidden_states, top_k_index, gate_up_proj, down_proj) -> str:
+    """The backend a call runs: ``backend`` itself, or for "auto" the spec's decode switch (batched_mm while the
+    weights it gathers, T*k times one expert's, are at most the threshold of the device class, grouped_mm beyond).
+    Shapes are static under jit, so the choice is made at trace time."""
     if backend != AUTO:
         return backend
-    return auto_backend("jax", device_class(platform_of(hidden_states)), math.prod(top_k_index.shape))
+    weight_bytes = expert_bytes(gate_up_proj.shape, down_proj.shape, gate_up_proj.dtype.itemsize)
+    return auto_backend("jax", device_class(platform_of(hidden_states)), math.prod(top_k_index.shape), weight_bytes)
 
 
 class DroppedSlots(nnx.Variable):
@@ -120,7 +121,7 @@ class Experts(nnx.Module):
             self.dropped_slots.set_value(self.dropped_slots.get_value() + dropped)
             return out
         return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down,
-                               implementation=resolve_backend(self.backend, hidden_states, top_k_index),
+                               implementation=resolve_backend(self.backend, hidden_states, top_k_index, gate_up, down),
                                activation=self.activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
 
 

@@ -28,7 +28,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from moe_shared import ArrayInfo, check_arguments, check_expert_ids
 from moe_shared.parallel import experts_per_rank, slot_capacity
-from moe_shared.switching import auto_backend
+from moe_shared.switching import auto_backend, expert_bytes
 
 from . import api
 from .base import Slots, combine, device_class, info, is_traced, platform_of
@@ -116,7 +116,8 @@ def shard_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_pro
 
     backend = implementation
     if backend == AUTO:
-        backend = auto_backend("jax", device_class(jax.default_backend()), W * C)
+        weight_bytes = expert_bytes(gate_up_proj.shape, down_proj.shape, gate_up_proj.dtype.itemsize)
+        backend = auto_backend("jax", device_class(jax.default_backend()), W * C, weight_bytes)
     results = api.experts_forward(received, local_ids[:, None], jnp.ones((W * C, 1), top_k_weights.dtype),
                                   gate_up_proj, down_proj, implementation=backend, activation=activation,
                                   gate_up_bias=gate_up_bias, down_bias=down_bias)

@@ -98,7 +98,7 @@ class Spec:
     index_dtypes: tuple[str, ...]
     empty_slot: int
     tolerance: Mapping[str, float]
-    decode_max_slots: Mapping[str, Mapping[str, int]]
+    decode_max_gathered_mib: Mapping[str, Mapping[str, int]]
     backends: Mapping[str, BackendSpec]
 
     def backend_names(self, framework: str) -> tuple[str, ...]:
@@ -115,8 +115,9 @@ class Spec:
             raise ValueError(f"no tolerance for dtype {dtype!r}; the spec has {sorted(self.tolerance)}") from None
 
     def decode_threshold(self, framework: str, device_class: str) -> int:
-        """Largest T*k at which batched_mm beats grouped_mm for ``framework`` on ``device_class``."""
-        return int(self.decode_max_slots.get(framework, {}).get(device_class, 0))
+        """The most weights (MiB) batched_mm gathers, T*k times one expert's, while it beats grouped_mm for
+        ``framework`` on ``device_class`` (0: never)."""
+        return int(self.decode_max_gathered_mib.get(framework, {}).get(device_class, 0))
 
 
 _KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit", "activations", "training",
@@ -178,14 +179,14 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
                       for fw in FRAMEWORKS if fw in b}
         backends[name] = BackendSpec(name, b["description"], bool(b.get("data_dependent", False)),
                                      MappingProxyType(frameworks))
-    decode = raw.get("decode", {}).get("max_slots", {})
+    decode = raw.get("decode", {}).get("max_gathered_mib", {})
     return Spec(
         activations=tuple(contract["activations"]),
         dtypes=tuple(contract["dtypes"]),
         index_dtypes=tuple(contract["index_dtypes"]),
         empty_slot=int(contract["empty_slot"]),
         tolerance=MappingProxyType({k: float(v) for k, v in raw["tolerance"].items()}),
-        decode_max_slots=MappingProxyType({fw: MappingProxyType(dict(v)) for fw, v in decode.items()}),
+        decode_max_gathered_mib=MappingProxyType({fw: MappingProxyType(dict(v)) for fw, v in decode.items()}),
         backends=MappingProxyType(backends),
     )
 

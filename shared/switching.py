@@ -7,7 +7,8 @@ level), the longest matching key wins, and paths that no key covers keep their b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 from .spec import load_spec
 
@@ -48,7 +49,13 @@ def summarize(current: Mapping[str, str]) -> dict[str, str | None]:
     return {"": top} | {path: b for path, b in current.items() if path != ""}
 
 
-def auto_backend(framework: str, device_class: str, slots: int) -> str:
-    """The decode switch: batched_mm while T*k is at most the spec's threshold, grouped_mm beyond."""
+def expert_bytes(gate_up_shape: Sequence[int], down_shape: Sequence[int], itemsize: int) -> int:
+    """One expert's gate/up and down weights in bytes, from the [E, 2I, H] and [E, H, I] shapes."""
+    return (math.prod(gate_up_shape[1:]) + math.prod(down_shape[1:])) * itemsize
+
+
+def auto_backend(framework: str, device_class: str, slots: int, weight_bytes: int) -> str:
+    """The decode switch: batched_mm while the weights it gathers (``slots`` = T*k times one expert's
+    ``weight_bytes``) are at most the spec's threshold, grouped_mm beyond."""
     threshold = _SPEC.decode_threshold(framework, device_class)
-    return "batched_mm" if 0 < threshold and slots <= threshold else "grouped_mm"
+    return "batched_mm" if 0 < threshold and slots * weight_bytes <= threshold * 2**20 else "grouped_mm"

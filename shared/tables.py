@@ -73,9 +73,10 @@ def tolerance_table(spec: Spec) -> str:
 
 
 def decode_table(spec: Spec) -> str:
-    classes = sorted({dc for per in spec.decode_max_slots.values() for dc in per})
-    rows = [[fw] + [spec.decode_max_slots[fw].get(dc, "-") for dc in classes] for fw in spec.decode_max_slots]
-    return _table(["framework"] + [f"{dc}: max T*k for batched_mm" for dc in classes], rows)
+    table = spec.decode_max_gathered_mib
+    classes = sorted({dc for per in table.values() for dc in per})
+    rows = [[fw] + [table[fw].get(dc, "-") for dc in classes] for fw in table]
+    return _table(["framework"] + [f"{dc}: max MiB gathered by batched_mm" for dc in classes], rows)
 
 
 TABLES = {"backends": backends_table, "compile": compile_table, "tolerance": tolerance_table,

@@ -188,7 +188,7 @@ def test_smoke_png(smoke):
 def test_crossover_cli_prints_spec_lines(smoke, capsys):
     assert crossover.main([str(_one(smoke, ".json"))]) == 0
     out = capsys.readouterr().out
-    assert "[decode.max_slots]" in out
+    assert "[decode.max_gathered_mib]" in out
     assert any(line.startswith("torch = { cpu = ") for line in out.splitlines())
 
 
@@ -369,15 +369,16 @@ def test_configs_and_tokens():
 # --- decode crossover ------------------------------------------------------------------------------------------
 
 def _rec(fw, backend, tokens, ms, compiled=False, mode="fwd", config="c", top_k=4):
+    """A record of an expert of 3 MiB (H=1024, I=512, bfloat16)."""
     return {"framework": fw, "backend": backend, "tokens": tokens, "ms": ms, "compiled": compiled, "mode": mode,
-            "config": config, "top_k": top_k}
+            "config": config, "top_k": top_k, "hidden": 1024, "intermediate": 512, "dtype": "bfloat16"}
 
 
 def test_crossover_is_the_end_of_the_leading_batched_wins():
     records = [_rec("torch", "batched_mm", t, ms) for t, ms in ((1, 1.0), (2, 1.0), (4, 2.0), (8, 9.0), (16, 1.0))]
     records += [_rec("torch", "grouped_mm", t, 3.0) for t in (1, 2, 4, 8, 16)]
     records += [_rec("torch", "batched_mm", 8, 0.1, mode="fwd+bwd"), _rec("torch", "eager", 8, 0.1)]
-    assert crossover.crossover(records) == {"torch": {"tokens": 4, "slots": 16}}
+    assert crossover.crossover(records) == {"torch": {"tokens": 4, "slots": 16, "mib": 48.0, "loses_mib": 96.0}}
 
 
 def test_crossover_takes_each_backends_best_variant():
@@ -387,7 +388,8 @@ def test_crossover_takes_each_backends_best_variant():
     records += [_rec("torch", "batched_mm", t, 5.0) for t in (1, 2)] + [_rec("torch", "grouped_mm", t, 1.0)
                                                                        for t in (1, 2)]
     records += [_rec("other", "batched_mm", 1, 1.0)]
-    assert crossover.crossover(records) == {"jax": {"tokens": 1, "slots": 4}, "torch": {"tokens": 0, "slots": 0}}
+    assert crossover.crossover(records) == {"jax": {"tokens": 1, "slots": 4, "mib": 12.0, "loses_mib": 24.0},
+                                            "torch": {"tokens": 0, "slots": 0, "mib": 0.0, "loses_mib": 12.0}}
 
 
 def test_crossover_needs_one_config():
@@ -398,10 +400,13 @@ def test_crossover_needs_one_config():
 def test_spec_lines_merge_measured_over_current():
     current = {"torch": {"cpu": 0, "cuda": 64}, "jax": {"cpu": 0, "cuda": 64, "tpu": 64}}
     lines = crossover.spec_lines({"torch": {"cuda": 32}, "jax": {"cpu": 8}}, current)
-    assert lines == ["[decode.max_slots]", "torch = { cpu = 0, cuda = 32 }", "jax = { cpu = 8, cuda = 64, tpu = 64 }"]
+    assert lines == ["[decode.max_gathered_mib]", "torch = { cpu = 0, cuda = 32 }",
+                     "jax = { cpu = 8, cuda = 64, tpu = 64 }"]
 
 
-def test_from_files_takes_the_smallest_threshold(tmp_path):
+def test_from_files_takes_the_largest_crossover_below_every_loss(tmp_path):
+    """Config a (top-8) wins up to T=8, 192 MiB gathered, with no loss measured; b (top-2) wins up to 12 MiB and
+    loses at 24: the threshold is 12 MiB, the largest crossover under every first loss."""
     def write(name, k, tokens):
         records = [_rec("torch", "batched_mm", t, 1.0 if t <= tokens else 5.0, config=name, top_k=k)
                    for t in (1, 2, 4, 8)]
@@ -411,7 +416,8 @@ def test_from_files_takes_the_smallest_threshold(tmp_path):
         return path
 
     measured, notes = crossover.from_files([write("a", 8, 8), write("b", 2, 2)])
-    assert measured == {"torch": {"cuda": 4}} and len(notes) == 2
+    assert measured == {"torch": {"cuda": 12}} and len(notes) == 2
+    assert crossover.threshold([{"mib": 12.0, "loses_mib": 96.0}, {"mib": 48.0, "loses_mib": None}]) == 48
 
 
 def test_progress_falls_back_without_tqdm(monkeypatch, capsys):

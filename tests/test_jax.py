@@ -318,13 +318,17 @@ def test_flax_set_and_get_backend():
 
 def test_auto_backend_follows_the_spec_threshold(monkeypatch):
     x, idx = jnp.ones((4, 8)), jnp.zeros((4, 2), jnp.int32)
+    gate_up, down = jnp.zeros((3, 2 * 256, 512), jnp.bfloat16), jnp.zeros((3, 512, 256), jnp.bfloat16)  # 0.75 MiB
     assert SPEC.decode_threshold("jax", "cpu") == 0
-    assert flax_moe.resolve_backend("auto", x, idx) == "grouped_mm"  # on CPU grouped_mm at every size
+    assert flax_moe.resolve_backend("auto", x, idx, gate_up, down) == "grouped_mm"  # on CPU grouped_mm at every size
     import moe_shared.switching as switching
-    monkeypatch.setattr(switching, "_SPEC", dataclasses.replace(SPEC, decode_max_slots={"jax": {"cpu": 8}}))
-    assert flax_moe.resolve_backend("auto", x, idx) == "batched_mm"  # T*k = 8 <= 8
-    assert flax_moe.resolve_backend("auto", jnp.ones((5, 8)), jnp.zeros((5, 2), jnp.int32)) == "grouped_mm"
-    assert flax_moe.resolve_backend("eager", x, idx) == "eager"
+    monkeypatch.setattr(switching, "_SPEC", dataclasses.replace(SPEC, decode_max_gathered_mib={"jax": {"cpu": 6}}))
+    assert flax_moe.resolve_backend("auto", x, idx, gate_up, down) == "batched_mm"  # T*k = 8 slots gather 6 MiB
+    assert flax_moe.resolve_backend("auto", jnp.ones((5, 8)), jnp.zeros((5, 2), jnp.int32), gate_up,
+                                    down) == "grouped_mm"  # 7.5 MiB
+    assert flax_moe.resolve_backend("auto", x, idx, gate_up.astype(jnp.float32),
+                                    down.astype(jnp.float32)) == "grouped_mm"  # float32: 12 MiB
+    assert flax_moe.resolve_backend("eager", x, idx, gate_up, down) == "eager"
     m = flax_moe.Experts(2, 8, 4, backend="auto", rngs=nnx.Rngs(0))
     jitted = nnx.jit(lambda m, x, i, w: m(x, i, w))
     np.testing.assert_allclose(jitted(m, x, idx, jnp.ones((4, 2))), m(x, idx, jnp.ones((4, 2))), rtol=1e-6)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moe_shared import ArrayInfo, check_arguments, load_spec, reference, relative_l2
-from moe_shared.switching import apply_request, auto_backend, summarize
+from moe_shared.switching import apply_request, auto_backend, expert_bytes, summarize
 from moe_shared.vectors import MANIFEST, VECTORS_DIR, load_cases
 from moe_shared.vectors.generate import generate
 
@@ -208,12 +208,18 @@ def test_summarize_round_trips():
 
 
 def test_auto_backend_reads_the_spec_threshold():
+    """batched_mm while T*k times one expert's weights is at most the threshold (MiB), whatever the expert size."""
     spec = load_spec()
-    assert auto_backend("jax", "cpu", 1) == ("batched_mm" if spec.decode_threshold("jax", "cpu") else "grouped_mm")
-    limit = spec.decode_threshold("jax", "cuda")
+    assert auto_backend("jax", "cpu", 1, 1) == ("batched_mm" if spec.decode_threshold("jax", "cpu") else "grouped_mm")
+    limit = spec.decode_threshold("jax", "cuda") * 2**20
     assert limit > 0
-    assert auto_backend("jax", "cuda", limit) == "batched_mm"
-    assert auto_backend("jax", "cuda", limit + 1) == "grouped_mm"
+    qwen3 = expert_bytes((128, 1536, 2048), (128, 2048, 768), 2)  # 9 MiB
+    mixtral = expert_bytes((8, 28672, 4096), (8, 4096, 14336), 2)  # 336 MiB
+    assert (qwen3, mixtral) == (9 * 2**20, 336 * 2**20)
+    for one in (qwen3, mixtral, 1000):
+        slots = limit // one
+        assert auto_backend("jax", "cuda", slots, one) == "batched_mm"
+        assert auto_backend("jax", "cuda", slots + 1, one) == "grouped_mm"
 
 
 def test_readme_tables_are_rendered_from_the_spec():

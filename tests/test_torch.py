@@ -312,7 +312,7 @@ def test_decode_mode_keeps_grouped_on_cpu():
 
 def test_decode_mode_switches_where_the_threshold_is_positive(monkeypatch):
     import moe_torch.modules as modules
-    accel = dataclasses.replace(SPEC, decode_max_slots={"torch": {"cpu": 64}})  # CPU treated as an accelerator
+    accel = dataclasses.replace(SPEC, decode_max_gathered_mib={"torch": {"cpu": 64}})  # CPU treated as an accelerator
     monkeypatch.setattr(modules, "_SPEC", accel)
     model = _Model()
     set_experts_implementation(model, {"text.1": "batched_mm"})

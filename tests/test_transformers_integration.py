@@ -361,7 +361,7 @@ def test_decode_switches_to_batched_when_the_threshold_is_positive(calls, monkey
     model = tiny_model("mixtral")
     expected = model.generate(token_ids(length=5), attention_mask=torch.ones(2, 5, dtype=torch.long),
                               max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    spec = dataclasses.replace(SPEC, decode_max_slots={"torch": {"cpu": 64, "cuda": 64}})
+    spec = dataclasses.replace(SPEC, decode_max_gathered_mib={"torch": {"cpu": 64, "cuda": 64}})
     monkeypatch.setattr(integration, "_SPEC", spec)
     model.set_experts_implementation(GROUPED)
     n = len(experts_modules(model))
@@ -374,7 +374,7 @@ def test_decode_switches_to_batched_when_the_threshold_is_positive(calls, monkey
 
 
 def test_decode_mode_leaves_other_names_and_restores_on_error(monkeypatch):
-    monkeypatch.setattr(integration, "_SPEC", dataclasses.replace(SPEC, decode_max_slots={"torch": {"cpu": 8}}))
+    monkeypatch.setattr(integration, "_SPEC", dataclasses.replace(SPEC, decode_max_gathered_mib={"torch": {"cpu": 8}}))
     model = tiny_model("mixtral")
     for name in ["eager", "grouped_mm", integration.hf_name("eager"), BATCHED]:
         model.set_experts_implementation(name)

@@ -11,7 +11,7 @@ Each registered function maps what a transformers experts module holds (fused or
 biases, interleaved or custom gates, expert-parallel sentinels) onto ``moe_torch.experts_forward``.
 
 Decode switch: during the decode steps of ``generate()``, ``moe_torch:grouped_mm`` runs as ``moe_torch:batched_mm``
-where the spec's decode threshold (``[decode.max_slots]``) for the model's device class is positive, and is restored
+where the spec's decode threshold (``[decode.max_gathered_mib]``) for the model's device class is positive, and is restored
 afterwards; on CPU grouped_mm stays. This is the rule of ``moe_torch.decode_mode``, applied like transformers'
 own 'grouped_mm' -> 'batched_mm' switch (which matches only the literal name): ``register()`` wraps
 ``GenerationMixin._optimize_model_for_decode``, the context that generate() enters for the decode steps.
@@ -148,7 +148,7 @@ def register(device: torch.device | str | None = None) -> list[str]:
 
 
 def decode_threshold(device: torch.device) -> int:
-    """The spec's decode threshold (largest T*k for batched_mm) for the device class of ``device``."""
+    """The spec's decode threshold (MiB of weights batched_mm gathers at most) for the device class of ``device``."""
     return _SPEC.decode_threshold("torch", device_class(torch.device(device)))
 
 
