@@ -4,9 +4,9 @@ At decode, ``torch.mm`` on an expert's weights (oneDNN) takes as long for one ro
 gate/up weights [768, 1024] on a 2-core Xeon with AMX, 86-109 us per expert at 1 to 16 rows, against 42-60 us on
 this kernel (82 against 121 at 32 rows, 147 against 159 at 64). The kernel is ``moe_shared/kernels/expert_rows.h``
 (AMX tiles where the CPU has them, else AVX512-BF16 dot products), the same one moe_jax's expert loop runs;
-``expert_rows.cc`` binds it as a C entry point (called through ctypes) that takes a whole list of groups per call and shares their
-work between the calling thread and its own workers (``torch.get_num_threads()`` threads in all). It is built on
-first use (``moe_shared.native``).
+``expert_rows.cc`` binds it as a C entry point (called through ctypes) that takes a whole list of groups per call
+and shares their work between the calling thread and its own workers (``torch.get_num_threads()`` threads in all).
+It is built on first use (``moe_shared.native``).
 
 ``MOE_TORCH_ROW_KERNEL``: ``auto`` (default) uses it where the host has AVX512-BF16 and the build succeeds, else
 ``torch.mm`` (with a warning when the build failed); ``on`` raises ``RuntimeError`` with the reason where it cannot

@@ -167,7 +167,8 @@ def test_a_stopped_run_leaves_the_resumed_points_written(smoke, tmp_path, monkey
     (folder,) = tmp_path.iterdir()
     written = json.loads(_one(folder, ".json").read_text())
     assert written["meta"]["complete"] is False
-    assert sorted(map(point_key, written["records"])) == sorted(map(point_key, json.loads(earlier.read_text())["records"]))
+    earlier_records = json.loads(earlier.read_text())["records"]
+    assert sorted(map(point_key, written["records"])) == sorted(map(point_key, earlier_records))
     assert not list(folder.glob("*.part"))
 
 

@@ -11,8 +11,8 @@ Each registered function maps what a transformers experts module holds (fused or
 biases, interleaved or custom gates, expert-parallel sentinels) onto ``moe_torch.experts_forward``.
 
 Decode switch: during the decode steps of ``generate()``, ``moe_torch:grouped_mm`` runs as ``moe_torch:batched_mm``
-where the spec's decode threshold (``[decode.max_gathered_mib]``) for the model's device class is positive, and is restored
-afterwards; on CPU grouped_mm stays. This is the rule of ``moe_torch.decode_mode``, applied like transformers'
+where the spec's decode threshold (``[decode.max_gathered_mib]``) for the model's device class is positive, and is
+restored afterwards; on CPU grouped_mm stays. This is the rule of ``moe_torch.decode_mode``, applied like transformers'
 own 'grouped_mm' -> 'batched_mm' switch (which matches only the literal name): ``register()`` wraps
 ``GenerationMixin._optimize_model_for_decode``, the context that generate() enters for the decode steps.
 """
