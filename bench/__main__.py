@@ -7,7 +7,6 @@ skipped, with the reason, when their estimated memory exceeds the budget or one 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -112,6 +111,7 @@ def options(args: argparse.Namespace) -> Options:
         tokens = parse_tokens(args.tokens) if args.tokens else None
     except ValueError as err:
         raise SystemExit(str(err)) from None
+    resumed, resumed_skips = _resumed(args.resume, device, dtype) if args.resume else ((), ())
     backends = None
     if args.backends:
         backends = _choices(args.backends, known_backends, "--backends")
@@ -131,7 +131,7 @@ def options(args: argparse.Namespace) -> Options:
         n_sets=args.sets, seed=args.seed,
         memory_budget=args.mem_budget_gib * GIB if args.mem_budget_gib else default_memory_budget(device),
         max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast, peers=not args.no_peers,
-        rounds=args.rounds,
+        resumed=resumed, resumed_skips=resumed_skips, rounds=args.rounds,
     )
 
 
@@ -177,9 +177,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
     args = parse_args(argv)
     opts = options(args)
-    if args.resume:
-        records, skipped = _resumed(args.resume, opts.device, opts.dtype)
-        opts = dataclasses.replace(opts, resumed=records, resumed_skips=skipped)
     signal.signal(signal.SIGTERM, _stop)
     if args.list:
         return _list(opts)

@@ -140,10 +140,11 @@ def _first_projection(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, s
 
 def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: int, k: int,
                     per_slot: bool) -> torch.Tensor:
-    """table[ids[s]] @ x[s // k] for every slot s, not differentiated. On one chunk and without ``per_slot``: each
-    token's k gathered matrices as one [k*N, K] matrix times the token's row (no copy of x per slot); else a row per
-    slot (the products the differentiated path computes)."""
-    if not per_slot and _in_place(table) and expert_rows.applies(x, table):
+    """table[ids[s]] @ x[s // k] for every slot s, not differentiated. On the CPU row kernel: each slot's row read
+    from x (no copy per slot; the same products either way). On one chunk and without ``per_slot``: each token's k
+    gathered matrices as one [k*N, K] matrix times the token's row (no copy of x per slot); else a row per slot (the
+    products the differentiated path computes)."""
+    if _in_place(table) and expert_rows.applies(x, table):
         return _rows_on_kernel(x, table, ids, slots_per_row=k)
     if not per_slot and not _in_place(table) and _chunks(T * k, table) is None:
         N, K = table.shape[1:]
