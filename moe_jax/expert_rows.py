@@ -24,6 +24,7 @@ from moe_shared import native
 
 SOURCE = Path(__file__).with_name("expert_rows.cc")
 TARGET = "moe_expert_rows"
+ADD_TARGET = "moe_expert_rows_add"
 VARIABLE = "MOE_JAX_ROW_KERNEL"
 _LOADED: list = []  # the loaded library stays referenced while the process runs
 
@@ -35,6 +36,7 @@ def unavailable() -> str | None:
     library, reason = native.load(SOURCE, include_dirs=(jax.ffi.include_dir(),), key=f"jaxlib {jaxlib.__version__}")
     if library is not None:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.moe_expert_rows), platform="cpu")
+        jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_add), platform="cpu")
         _LOADED.append(library)
     return reason
 
@@ -59,3 +61,14 @@ def expert_rows(x, weights, expert, count):
     B, N = x.shape[0], weights.shape[1]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, N), jnp.float32), vmap_method="sequential")
     return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), amx=amx())
+
+
+def expert_rows_add(out, x, weights, expert, count, token, scale):
+    """``out`` [T, N] float32 with, for each of the first ``count`` rows b of ``x`` [B, K], ``x[b] @
+    weights[expert].T`` rounded to bfloat16, times ``scale[b]``, added into row ``token[b]`` (in row order; the
+    same sums as ``out.at[token].add(y.astype(float32) * scale[:, None])`` on the rounded products y); updated in
+    place. ``token`` [B] int32 in [0, T), ``scale`` [B] float32."""
+    call = jax.ffi.ffi_call(ADD_TARGET, jax.ShapeDtypeStruct(out.shape, jnp.float32), vmap_method="sequential",
+                            input_output_aliases={6: 0})
+    return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), token.astype(jnp.int32),
+                scale.astype(jnp.float32), out, amx=amx())

@@ -59,6 +59,40 @@ def test_row_kernel_matches_float64(way, B, K, N, E, count, monkeypatch):
         assert err < 1e-6, err  # float32 sums of exact bfloat16 products
 
 
+# B rows, K, N, T token rows, count: AMX tiles with a tail of weight rows and several x tiles, a k width off 32
+# (the AVX512 way), no rows, one row
+@pytest.mark.parametrize("B, K, N, T, count", [(40, 96, 70, 13, 37), (70, 64, 200, 30, 70), (8, 1024, 768, 5, 3),
+                                                (33, 40, 7, 6, 30), (4, 64, 9, 3, 0), (1, 32, 16, 1, 1)])
+@pytest.mark.parametrize("way", list(WAYS))
+@needs_kernel
+def test_row_kernel_add_is_the_scatter_add_of_its_rounded_rows(way, B, K, N, T, count, monkeypatch):
+    """expert_rows_add: the same bits as XLA's in-order scatter-add of the row kernel's products rounded to
+    bfloat16 and times their scales, into token rows that repeat; rows from count on add nothing."""
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
+    if way == "amx" and not expert_rows.amx():
+        pytest.skip("the CPU has no AMX")
+    rng = np.random.default_rng(B * N + T)
+    x = jnp.asarray(rng.standard_normal((B, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((3, N, K)), jnp.bfloat16)
+    token = jnp.asarray(rng.integers(0, T, B), jnp.int32)
+    scale = jnp.asarray(rng.random(B), jnp.float32)
+    into = jnp.asarray(rng.standard_normal((T, N)), jnp.float32)
+    added = jax.jit(lambda o, a, b, t, s: expert_rows.expert_rows_add(o, a, b, 1, count, t, s))  # traced here
+    got = np.asarray(added(into, x, w, token, scale))
+    rows = jax.jit(lambda a, b: expert_rows.expert_rows(a, b, 1, count))(x, w)
+    terms = rows.astype(jnp.bfloat16).astype(jnp.float32) * scale[:, None]
+    want = np.asarray(into.at[jnp.where(jnp.arange(B) < count, token, T)].add(terms, mode="drop"))
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_kernel
+def test_row_kernel_add_refuses_a_token_row_out_of_range():
+    x, w = jnp.ones((2, 32), jnp.bfloat16), jnp.ones((1, 16, 32), jnp.bfloat16)
+    with pytest.raises(Exception, match="token index out of range"):
+        expert_rows.expert_rows_add(jnp.zeros((3, 16)), x, w, 0, 2, jnp.asarray([0, 3], jnp.int32),
+                                    jnp.ones(2)).block_until_ready()
+
+
 @needs_kernel
 def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
     """bfloat16 at few rows per expert: the forward's matmuls are the row kernel's custom calls (none in float32,
@@ -88,12 +122,45 @@ def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
         monkeypatch.setenv("MOE_JAX_ROW_KERNEL", setting)
         hlo, (out, grads) = run(dtype)
         calls = hlo.count('custom_call_target="moe_expert_rows"')
-        # gate/up and down in each loop over an expert's blocks (its first block, the further ones)
+        # gate/up and down in each loop over an expert's blocks (its first block, the further ones); with a down
+        # bias, the down projection stores its rows (no expert_rows_add)
         assert calls == (4 if runs else 0), (setting, dtype, calls)
+        assert 'custom_call_target="moe_expert_rows_add"' not in hlo
         name = jnp.dtype(dtype).name
         assert_close("out", np.asarray(out, np.float64), expected["out"], name)
         for n, g in grads.items():
             assert_close(f"grad_{n}", np.asarray(g, np.float64), expected[n], name)
+
+
+@pytest.mark.parametrize("T, E, k", [(160, 2, 1), (12, 4, 2)])  # 80 rows per expert (XLA's dots), 6 (the kernel)
+@needs_kernel
+def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(T, E, k, monkeypatch):
+    """bfloat16 without a down bias: at every block size the down projection is expert_rows_add's custom call,
+    which adds the rows into the token rows; the forward and every gradient match the float64 reference."""
+    arrays, dy = random_case(T + E, T=T, H=64, I=32, E=E, k=k, bias=False, empty_fraction=0.1)
+    args = [arrays[n] for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")]
+    expected = reference.experts_backward(*args, dy, activation="silu") | {
+        "out": reference.experts_forward(*args, activation="silu")}
+    values = {n: jnp.asarray(a, jnp.int32 if n == "top_k_index" else jnp.bfloat16) for n, a in arrays.items()
+              if a is not None}
+    names = [n for n in DIFF_ARGS if n in values]
+
+    for setting in ("auto", "off"):
+        monkeypatch.setenv("MOE_JAX_ROW_KERNEL", setting)
+
+        def forward_and_grads(diff, dy):  # a new function per setting: jit's cache would keep the first trace
+            f = lambda *d: experts_forward(**(values | dict(zip(names, d))), implementation="grouped_mm")
+            out, vjp = jax.vjp(f, *diff)
+            return out, dict(zip(names, vjp(dy)))
+
+        call = jax.jit(forward_and_grads)
+        diff, g = [values[n] for n in names], jnp.asarray(dy, jnp.bfloat16)
+        calls = call.lower(diff, g).compile().as_text().count('custom_call_target="moe_expert_rows_add"')
+        assert (calls > 0) == (setting == "auto"), (setting, calls)
+        out, grads = call(diff, g)
+        assert_close("out", np.asarray(out, np.float64), expected["out"], "bfloat16")
+        for n, grad in grads.items():
+            assert_close(f"grad_{n}", np.asarray(grad, np.float64), expected[n], "bfloat16")
 
 
 def test_row_kernel_says_why_it_cannot_run(fresh_state, monkeypatch, tmp_path):

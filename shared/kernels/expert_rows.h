@@ -8,7 +8,9 @@
 //   layout), 32 weight rows by 32 x rows at a time (four accumulator tiles); a tail of under 16 weight rows and
 //   a k width that is not a multiple of 32 take the AVX512 way.
 // - AVX512-BF16 dot products, 4 x rows by 4 weight rows per step.
-// A job's work is its groups' weight rows in chunks of 64; the threads that run it take chunks until none is left.
+// A job's work is packing its groups' x tiles (AMX), then its groups' weight rows in chunks of 64; the threads that
+// run it share both. Outputs are stored as float32 rows, or (Group::add_row) rounded to bfloat16, scaled and added
+// into rows of a float32 array: the weighted combine of an MoE's down projection, in the same call.
 #pragma once
 
 #include <sys/syscall.h>
@@ -16,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include <immintrin.h>
@@ -34,11 +37,33 @@ constexpr int64_t kAmxK = 32;        // k per AMX tile
 struct Group {
   const uint16_t* x;  // [rows, K], row stride x_stride
   const uint16_t* w;  // [N, K], the expert's
-  float* out;         // [rows, N], row stride N
+  float* out;         // [rows, N], row stride N; with add_row a [*, N] array
   int64_t rows;
   int64_t x_stride;
-  const uint32_t* packed = nullptr;  // AMX: x's rows as B tiles (PackRows)
+  // With add_row, row b's outputs are rounded to bfloat16, multiplied by add_scale[b] and added into out row
+  // add_row[b] (float32 products, then float32 sums, in row order) instead of stored. One thread runs all rows of a
+  // chunk of outputs, so a job may accumulate one group only.
+  const int32_t* add_row = nullptr;
+  const float* add_scale = nullptr;
+  const uint32_t* packed = nullptr;  // AMX: x's rows as B tiles (PackTile)
 };
+
+// float32 values rounded to the nearest bfloat16 (ties to even), as float32
+inline __m512 RoundToBfloat16(__m512 v) {
+  const __m256i half = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// outputs n .. n + 16 of row b (the lanes set in `lanes`)
+inline void EmitRow(const Group& g, int64_t N, int64_t b, int64_t n, __m512 v, __mmask16 lanes) {
+  if (g.add_row == nullptr) {
+    _mm512_mask_storeu_ps(g.out + b * N + n, lanes, v);
+    return;
+  }
+  float* to = g.out + static_cast<int64_t>(g.add_row[b]) * N + n;
+  const __m512 term = _mm512_mul_ps(RoundToBfloat16(v), _mm512_set1_ps(g.add_scale[b]));
+  _mm512_mask_storeu_ps(to, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, to), term));
+}
 
 struct Shape {
   int64_t N, K;
@@ -69,8 +94,11 @@ inline void RowsOfChunk(const Group& g, const Shape& s, int64_t n0, int64_t n1) 
       for (int64_t k = 0; k < full; k += 32)
         step([k](const uint16_t* r) { return (__m512bh)_mm512_loadu_si512(r + k); });
       if (tail) step([&](const uint16_t* r) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, r + full); });
-      for (int64_t i = 0; i < bb; ++i)
-        for (int64_t j = 0; j < nn; ++j) g.out[(b + i) * s.N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t i = 0; i < bb; ++i) {
+        alignas(64) float sums[16] = {};
+        for (int64_t j = 0; j < nn; ++j) sums[j] = _mm512_reduce_add_ps(acc[i][j]);
+        EmitRow(g, s.N, b + i, n, _mm512_load_ps(sums), static_cast<__mmask16>((1u << nn) - 1));
+      }
     }
   }
 }
@@ -89,16 +117,46 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void LoadTiles() {
   _tile_loadconfig(&config);
 }
 
-// x's rows as B tiles: for x tile t and k chunk c, 16 k pairs by 16 rows, each pair two bfloat16 (one uint32)
-inline std::vector<uint32_t> PackRows(const Group& g, int64_t K) {
-  const int64_t tiles = (g.rows + kAmxRows - 1) / kAmxRows, chunks = K / kAmxK, pairs = K / 2;
-  std::vector<uint32_t> packed(tiles * chunks * 256, 0);
-  for (int64_t b = 0; b < g.rows; ++b) {
-    const uint32_t* row = reinterpret_cast<const uint32_t*>(g.x + b * g.x_stride);
-    uint32_t* tile = packed.data() + (b / kAmxRows) * chunks * 256 + b % kAmxRows;
-    for (int64_t p = 0; p < pairs; ++p) tile[(p / 16) * 256 + (p % 16) * 16] = row[p];
+// r[i] (16 lanes of 32 bits each) -> r[j] holding lane j of every r[i]: interleave 32-bit then 64-bit pairs
+// within 128-bit lanes, then gather the 128-bit lanes of the four row quads
+inline void Transpose16(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
   }
-  return packed;
+  // b[4q + j], lane L: rows 4q .. 4q + 3 at column 4L + j
+  for (int q = 0; q < 16; q += 4) {
+    b[q] = _mm512_unpacklo_epi64(a[q], a[q + 2]);
+    b[q + 1] = _mm512_unpackhi_epi64(a[q], a[q + 2]);
+    b[q + 2] = _mm512_unpacklo_epi64(a[q + 1], a[q + 3]);
+    b[q + 3] = _mm512_unpackhi_epi64(a[q + 1], a[q + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x88), c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xdd);
+    const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x88);
+    const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xdd);
+    r[j] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(c0, c2, 0xdd);
+    r[4 + j] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(c1, c3, 0xdd);
+  }
+}
+
+// x tile t of a group as B tiles: for each k chunk c, 16 k pairs by 16 rows, each pair two bfloat16 (one uint32);
+// rows past the group's are zeros
+inline void PackTile(const Group& g, int64_t K, int64_t t, uint32_t* packed) {
+  const int64_t chunks = K / kAmxK;
+  uint32_t* tile = packed + t * chunks * 256;
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i r[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t b = t * kAmxRows + i;
+      r[i] = b < g.rows ? _mm512_loadu_si512(g.x + b * g.x_stride + c * kAmxK) : _mm512_setzero_si512();
+    }
+    Transpose16(r);
+    for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(tile + c * 256 + p * 16, r[p]);
+  }
 }
 
 // 16 * kWeightTiles weight rows from n by 16 * kXTiles x rows from x tile t0
@@ -126,12 +184,15 @@ __attribute__((target("amx-tile,amx-bf16"))) void AmxPass(const Group& g, const 
   if (kXTiles > 1) _tile_stored(5, acc[1], 64);
   if (kWeightTiles > 1) _tile_stored(6, acc[2], 64);
   if (kWeightTiles > 1 && kXTiles > 1) _tile_stored(7, acc[3], 64);
+  // acc[tile] is 16 weight rows by 16 x rows: transposed, each x row's 16 outputs are one store
   for (int64_t wt = 0; wt < kWeightTiles; ++wt)
-    for (int64_t xt = 0; xt < kXTiles; ++xt)
-      for (int64_t i = 0; i < 16 && (t0 + xt) * 16 + i < g.rows; ++i) {
-        float* out = g.out + ((t0 + xt) * 16 + i) * s.N + n + wt * kAmxRows;
-        for (int64_t r = 0; r < kAmxRows; ++r) out[r] = acc[wt * 2 + xt][r * 16 + i];
-      }
+    for (int64_t xt = 0; xt < kXTiles; ++xt) {
+      __m512i r[16];
+      for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_load_si512(acc[wt * 2 + xt] + i * 16);
+      Transpose16(r);
+      for (int64_t i = 0; i < 16 && (t0 + xt) * 16 + i < g.rows; ++i)
+        EmitRow(g, s.N, (t0 + xt) * 16 + i, n + wt * kAmxRows, _mm512_castsi512_ps(r[i]), 0xffff);
+    }
 }
 
 template <int kWeightTiles>
@@ -160,8 +221,9 @@ inline bool AmxPermitted() {
   return permitted;
 }
 
-// A job: its groups' chunks, taken by every thread that calls Run until none is left. A thread that starts after
-// the last chunk was taken does nothing, so a job may be handed to threads that wake late.
+// A job: its groups' x tiles to pack (AMX), then their chunks, both taken by every thread that calls Run until none
+// is left. A thread that starts after the last chunk was taken does nothing, so a job may be handed to threads that
+// wake late; a thread that finds no tile left to pack waits for the tiles taken to be packed, by threads that run.
 class Job {
  public:
   // false where AMX was asked for and the kernel refused it (Prepare must run before any thread runs the job)
@@ -173,10 +235,16 @@ class Job {
     amx_ = amx && shape.K % kAmxK == 0;
     if (amx_) {
       if (!AmxPermitted()) return false;
-      packed_.reserve(groups_.size());
+      int64_t size = 0;
+      for (const Group& g : groups_) {
+        for (int64_t t = 0; t < (g.rows + kAmxRows - 1) / kAmxRows; ++t) tiles_.push_back({&g - groups_.data(), t});
+        size += (g.rows + kAmxRows - 1) / kAmxRows * (shape.K / kAmxK) * 256;
+      }
+      packed_.reset(new uint32_t[size]);  // every element is written by PackTile
+      uint32_t* at = packed_.get();
       for (Group& g : groups_) {
-        packed_.push_back(PackRows(g, shape.K));
-        g.packed = packed_.back().data();
+        g.packed = at;
+        at += (g.rows + kAmxRows - 1) / kAmxRows * (shape.K / kAmxK) * 256;
       }
     }
     return true;
@@ -185,6 +253,15 @@ class Job {
   int64_t chunks() const { return chunks_; }
 
   void Run() {
+    const int64_t tiles = static_cast<int64_t>(tiles_.size());
+    if (tiles > 0) {
+      for (int64_t t; (t = next_tile_.fetch_add(1)) < tiles;) {
+        const Group& g = groups_[tiles_[t].group];
+        PackTile(g, shape_.K, tiles_[t].tile, const_cast<uint32_t*>(g.packed));
+        packed_tiles_.fetch_add(1, std::memory_order_release);
+      }
+      while (packed_tiles_.load(std::memory_order_acquire) < tiles) _mm_pause();
+    }
     for (int64_t c; (c = next_.fetch_add(1)) < chunks_;) {
       const Group& g = groups_[c / chunks_per_group_];
       const int64_t n0 = c % chunks_per_group_ * kChunkRows;
@@ -205,11 +282,15 @@ class Job {
 
  private:
   std::vector<Group> groups_;
-  std::vector<std::vector<uint32_t>> packed_;
+  struct Tile {
+    int64_t group, tile;
+  };
+  std::vector<Tile> tiles_;  // AMX: the x tiles to pack
+  std::unique_ptr<uint32_t[]> packed_;
   Shape shape_{};
   int64_t chunks_per_group_ = 0, chunks_ = 0;
   bool amx_ = false;
-  std::atomic<int64_t> next_{0}, done_{0};
+  std::atomic<int64_t> next_tile_{0}, packed_tiles_{0}, next_{0}, done_{0};
 };
 
 }  // namespace moe_rows
