@@ -48,17 +48,23 @@ def _mean_rows(rows: int, experts: int) -> int:
     return max(1, -(-rows // max(experts, 1)))
 
 
-# mean rows per expert under which the forward runs on ``expert_rows`` (qwen3-cpu weights on a Xeon with AMX, per
-# expert: 55 against 160 us at 16 rows, 143 against 209 at 64, 272 against 249 at 128, XLA's copy and dot being the
-# second; its AVX512-BF16 way matched XLA at 8 rows)
-ROW_KERNEL_MEAN_ROWS = {True: 64, False: 8}  # by expert_rows.amx()
+# mean rows per expert under which the forward runs on ``expert_rows`` (None: any), and its largest block, by
+# expert_rows.amx(). With AMX at every size: qwen3-cpu gate/up weights on a 2-core Xeon, per expert, 50 us at 16
+# rows, 92 at 64, 145 at 128, 294 at 256, against XLA's copy and dot 160, 209, 250-400, 410-540; the whole forward
+# 29 against 31 ms at T=512, 35 against 45 at 1024, 62 against 68 at 2048, 112 against 123 at 4096 (blocks of up to
+# MAX_BLOCK rows). Its AVX512-BF16 way matched XLA at 8 rows.
+ROW_KERNEL_MEAN_ROWS = {True: None, False: 8}
+ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 8}
 
 
 def uses_row_kernel(rows: int, experts: int, *operands) -> bool:
-    """Whether the forward's matmuls run on ``expert_rows`` (the weights read in place, padding rows skipped): at
-    few rows per expert (ROW_KERNEL_MEAN_ROWS), with bfloat16 operands, where ``expert_rows.enabled()``."""
-    return (all(a.dtype == jnp.bfloat16 for a in operands) and expert_rows.enabled()
-            and _mean_rows(rows, experts) < ROW_KERNEL_MEAN_ROWS[expert_rows.amx()])
+    """Whether the forward's matmuls run on ``expert_rows`` (the weights read in place, padding rows skipped): with
+    bfloat16 operands where ``expert_rows.enabled()``, on AMX at any rows per expert, else at few
+    (ROW_KERNEL_MEAN_ROWS)."""
+    if not (all(a.dtype == jnp.bfloat16 for a in operands) and expert_rows.enabled()):
+        return False
+    bound = ROW_KERNEL_MEAN_ROWS[expert_rows.amx()]
+    return bound is None or _mean_rows(rows, experts) < bound
 
 
 def adds_on_row_kernel(x, down, down_bias) -> bool:
@@ -78,11 +84,11 @@ def block_sizes(rows: int, experts: int, *, backward: bool = False, row_kernel: 
     gradients). From 16 rows on, _LADDER: an expert's first block is the smallest size that covers its rows modulo
     the largest, padding under a third of them; each size costs a loop, so there are few. With ``row_kernel`` (the
     forward on ``expert_rows``, which skips padding rows), one size, twice the mean rounded up to a power of two, at
-    most ROW_KERNEL_MEAN_ROWS."""
+    most ROW_KERNEL_BLOCK."""
     mean = _mean_rows(rows, experts)
     cap = min(MAX_BLOCK, 1 << max(rows - 1, 0).bit_length())
     if row_kernel:
-        return (min(cap, 2 << (mean - 1).bit_length(), ROW_KERNEL_MEAN_ROWS[expert_rows.amx()]),)
+        return (min(cap, 2 << (mean - 1).bit_length(), ROW_KERNEL_BLOCK[expert_rows.amx()]),)
     if mean <= 2 and not backward and one_row_decode():
         return (1,)
     if mean < _LADDER[0]:

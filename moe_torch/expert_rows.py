@@ -29,9 +29,11 @@ SOURCE = Path(__file__).with_name("expert_rows.cc")
 VARIABLE = "MOE_TORCH_ROW_KERNEL"
 PROFILER_NAME = "moe_torch::expert_rows"
 # mean rows per group under which a grouped matmul runs on the kernel (by amx()): qwen3-cpu gate/up on a 2-core Xeon
-# with AMX, per expert, against torch.mm: 44 against 94 us at 1 row, 60 against 109 at 16, 128 against 142 at 48,
-# 147 against 159 at 64; without AMX as for moe_jax (its AVX512 way not measured against torch.mm)
-MEAN_ROWS = {True: 64, False: 8}
+# with AMX, per expert, with the float32 output's allocation, against torch.mm: 57 against 80 us at 1 row, 59 against
+# 85 at 16, 103 against 133 at 64, 172 against 184 at 128; grouped_mm's whole bfloat16 forward 26 against 30-33 ms
+# at T=512 (64 rows per expert), 57-59 against 54-56 at T=1024 (128); without AMX as for moe_jax (its AVX512 way
+# not measured against torch.mm)
+MEAN_ROWS = {True: 128, False: 8}
 _LIBRARY: list = []
 _INDEX = ctypes.POINTER(ctypes.c_int64)
 

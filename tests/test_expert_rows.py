@@ -132,11 +132,16 @@ def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
             assert_close(f"grad_{n}", np.asarray(g, np.float64), expected[n], name)
 
 
-@pytest.mark.parametrize("T, E, k", [(160, 2, 1), (12, 4, 2)])  # 80 rows per expert (XLA's dots), 6 (the kernel)
+@pytest.mark.parametrize("T, E, k", [(160, 2, 1), (12, 4, 2)])  # about 72 rows per expert, 5
+@pytest.mark.parametrize("way", list(WAYS))
 @needs_kernel
-def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(T, E, k, monkeypatch):
+def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, k, monkeypatch):
     """bfloat16 without a down bias: at every block size the down projection is expert_rows_add's custom call,
-    which adds the rows into the token rows; the forward and every gradient match the float64 reference."""
+    which adds the rows into the token rows (the gate/up projection on the kernel too, or on XLA's dots at many
+    rows per expert without AMX); the forward and every gradient match the float64 reference."""
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
+    if way == "amx" and not expert_rows.amx():
+        pytest.skip("the CPU has no AMX")
     arrays, dy = random_case(T + E, T=T, H=64, I=32, E=E, k=k, bias=False, empty_fraction=0.1)
     args = [arrays[n] for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")]
     expected = reference.experts_backward(*args, dy, activation="silu") | {
