@@ -5,6 +5,7 @@
 // updated in place (its operand aliases its result). The kernel is moe_shared's expert_rows.h (attribute `amx`: its
 // AMX way, else AVX512-BF16); its chunks are taken by the calling thread and one task on XLA's intra-op pool.
 #include <memory>
+#include <string>
 
 #include "expert_rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -13,84 +14,95 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error ExpertRows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
-                      ffi::Buffer<ffi::S32> count, ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
+// The operands both targets share: x [B, K] and w [E, N, K] in bfloat16, the expert e and the row count (clamped
+// to [0, B]); `error` is set where they are not that.
+struct Rows {
+  int64_t B = 0, K = 0, N = 0, e = 0, count = 0;
+  moe_rows::Group group{};
+  const char* error = nullptr;
+};
+
+Rows ReadRows(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert, ffi::Buffer<ffi::S32> count,
+              float* out) {
+  Rows r;
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (x.element_type() != ffi::BF16 || w.element_type() != ffi::BF16 || xd.size() != 2 || wd.size() != 3 ||
-      xd[1] != wd[2])
-    return ffi::Error::InvalidArgument("moe_expert_rows: expected x [B, K] and w [E, N, K] in bfloat16");
-  const int64_t B = xd[0], K = xd[1], E = wd[0], N = wd[1];
-  const int64_t e = *expert.typed_data();
-  const int64_t rows = *count.typed_data() < 0 ? 0 : (*count.typed_data() > B ? B : *count.typed_data());
-  if (e < 0 || e >= E) return ffi::Error::InvalidArgument("moe_expert_rows: expert index out of range");
-  float* o = out->typed_data();
-  for (int64_t i = rows * N; i < B * N; ++i) o[i] = 0.f;
-  if (rows == 0 || N == 0) return ffi::Error::Success();
+      xd[1] != wd[2]) {
+    r.error = "expected x [B, K] and w [E, N, K] in bfloat16";
+    return r;
+  }
+  r.B = xd[0], r.K = xd[1], r.N = wd[1], r.e = *expert.typed_data();
+  const int64_t asked = *count.typed_data();
+  r.count = asked < 0 ? 0 : (asked > r.B ? r.B : asked);
+  if (r.e < 0 || r.e >= wd[0]) r.error = "expert index out of range";
+  r.group = {static_cast<const uint16_t*>(x.untyped_data()),
+             static_cast<const uint16_t*>(w.untyped_data()) + r.e * r.N * r.K, out, r.count, r.K};
+  return r;
+}
+
+ffi::Error Invalid(const char* target, const char* what) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
+}
+
+// the group's chunks, taken by the calling thread and one task on XLA's intra-op pool
+ffi::Error Run(ffi::ThreadPool& pool, const Rows& r, bool amx, const char* target) {
+  if (r.count == 0 || r.N == 0) return ffi::Error::Success();
   auto job = std::make_shared<moe_rows::Job>();
-  const moe_rows::Group group{static_cast<const uint16_t*>(x.untyped_data()),
-                              static_cast<const uint16_t*>(w.untyped_data()) + e * N * K, o, rows, K};
-  if (!job->Prepare({group}, {N, K}, amx))
-    return ffi::Error::Internal("moe_expert_rows: the kernel refused AMX tile data");
+  if (!job->Prepare({r.group}, {r.N, r.K}, amx))
+    return ffi::Error::Internal(std::string(target) + ": the kernel refused AMX tile data");
   if (job->chunks() > 1) pool.Schedule([job] { job->Run(); });  // a task that starts late finds no chunk left
   job->Run();
   job->Wait();
   return ffi::Error::Success();
 }
 
+ffi::Error ExpertRows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
+                      ffi::Buffer<ffi::S32> count, ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
+  constexpr const char* kTarget = "moe_expert_rows";
+  const Rows r = ReadRows(x, w, expert, count, out->typed_data());
+  if (r.error) return Invalid(kTarget, r.error);
+  float* o = out->typed_data();
+  for (int64_t i = r.count * r.N; i < r.B * r.N; ++i) o[i] = 0.f;
+  return Run(pool, r, amx, kTarget);
+}
+
 ffi::Error ExpertRowsAdd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
                          ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::F32> scale,
                          ffi::Buffer<ffi::F32> into, ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), od = into.dimensions();
-  if (x.element_type() != ffi::BF16 || w.element_type() != ffi::BF16 || xd.size() != 2 || wd.size() != 3 ||
-      xd[1] != wd[2] || od.size() != 2 || od[1] != wd[1] || token.element_count() != xd[0] ||
-      scale.element_count() != xd[0])
-    return ffi::Error::InvalidArgument(
-        "moe_expert_rows_add: expected x [B, K] and w [E, N, K] in bfloat16, token [B], scale [B], out [T, N]");
-  if (out->untyped_data() != into.untyped_data())
-    return ffi::Error::InvalidArgument("moe_expert_rows_add: out must alias its operand");
-  const int64_t B = xd[0], K = xd[1], E = wd[0], N = wd[1], T = od[0];
-  const int64_t e = *expert.typed_data();
-  const int64_t rows = *count.typed_data() < 0 ? 0 : (*count.typed_data() > B ? B : *count.typed_data());
-  if (e < 0 || e >= E) return ffi::Error::InvalidArgument("moe_expert_rows_add: expert index out of range");
+  constexpr const char* kTarget = "moe_expert_rows_add";
+  Rows r = ReadRows(x, w, expert, count, out->typed_data());
+  if (r.error) return Invalid(kTarget, r.error);
+  const auto od = into.dimensions();
+  if (od.size() != 2 || od[1] != r.N || token.element_count() != r.B || scale.element_count() != r.B)
+    return Invalid(kTarget, "expected token [B], scale [B] and out [T, N]");
+  if (out->untyped_data() != into.untyped_data()) return Invalid(kTarget, "out must alias its operand");
   const int32_t* rows_to = token.typed_data();
-  for (int64_t b = 0; b < rows; ++b)
-    if (rows_to[b] < 0 || rows_to[b] >= T)
-      return ffi::Error::InvalidArgument("moe_expert_rows_add: token index out of range");
-  if (rows == 0 || N == 0) return ffi::Error::Success();
-  auto job = std::make_shared<moe_rows::Job>();
-  moe_rows::Group group{static_cast<const uint16_t*>(x.untyped_data()),
-                        static_cast<const uint16_t*>(w.untyped_data()) + e * N * K, out->typed_data(), rows, K};
-  group.add_row = rows_to;
-  group.add_scale = scale.typed_data();
-  if (!job->Prepare({group}, {N, K}, amx))
-    return ffi::Error::Internal("moe_expert_rows_add: the kernel refused AMX tile data");
-  if (job->chunks() > 1) pool.Schedule([job] { job->Run(); });
-  job->Run();
-  job->Wait();
-  return ffi::Error::Success();
+  for (int64_t b = 0; b < r.count; ++b)
+    if (rows_to[b] < 0 || rows_to[b] >= od[0]) return Invalid(kTarget, "token index out of range");
+  r.group.add_row = rows_to;
+  r.group.add_scale = scale.typed_data();
+  return Run(pool, r, amx, kTarget);
+}
+
+// the operands both targets start with
+auto RowsBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_add, ExpertRowsAdd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("amx"));
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows, ExpertRows,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
+                              RowsBinding().Ret<ffi::Buffer<ffi::F32>>().Attr<bool>("amx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_add, ExpertRowsAdd,
+                              RowsBinding()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("amx"));
