@@ -24,6 +24,7 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).with_name("kernels")  # expert_rows.h
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # as /proc/cpuinfo spells them
 AMX_FLAGS = ("amx_tile", "amx_bf16")
+# -ffp-contract=off: products and sums rounded as written, never fused (expert_rows_add gives XLA's scatter-add bits)
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512bf16",
                  "-mamx-tile", "-mamx-bf16", "-ffp-contract=off", "-w")
 MODES = ("auto", "on", "off")
