@@ -1,5 +1,6 @@
-"""The expert loop's row kernel on CPU: ``x[:count] @ w[e].T`` in float32 for a block of a few rows, reading expert
-e's bfloat16 weights where they lie in ``w`` [E, N, K].
+"""The expert loop's row kernel on CPU: ``x[:count] @ w[e].T`` in float32 for a block of rows, reading expert e's
+bfloat16 weights where they lie in ``w`` [E, N, K]; ``expert_rows_add`` adds those rows, rounded to bfloat16 and
+scaled, into token rows instead (the down projection and the combine in one call).
 
 XLA:CPU copies a dynamic slice of the weights before every dot, and at decode that copy costs as much as the dot
 (qwen3-cpu, 2-row blocks: 85 us to copy an expert's gate/up weights, 80 us for the dot). The kernel

@@ -1,8 +1,8 @@
 """The CPU row kernel for torch: few rows per expert times the expert's bfloat16 weights read where they lie.
 
 At decode, ``torch.mm`` on an expert's weights (oneDNN) takes as long for one row as for 16 or 32: qwen3-cpu's
-gate/up weights [768, 1024] on a 2-core Xeon with AMX, 86-109 us per expert at 1 to 16 rows, against 42-60 us on
-this kernel (82 against 121 at 32 rows, 147 against 159 at 64). The kernel is ``moe_shared/kernels/expert_rows.h``
+gate/up weights [768, 1024] on a 2-core Xeon with AMX, 79-85 us per expert at 1 to 16 rows, against 47-50 us on
+this kernel (98 against 59 at 32 rows, 131-135 against 92 at 64). The kernel is ``moe_shared/kernels/expert_rows.h``
 (AMX tiles where the CPU has them, else AVX512-BF16 dot products), the same one moe_jax's expert loop runs;
 ``expert_rows.cc`` binds it as a C entry point (called through ctypes) that takes a whole list of groups per call
 and shares their work between the calling thread and its own workers (``torch.get_num_threads()`` threads in all).
