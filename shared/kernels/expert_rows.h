@@ -45,7 +45,7 @@ struct Group {
   // chunk of outputs, so a job may accumulate one group only.
   const int32_t* add_row = nullptr;
   const float* add_scale = nullptr;
-  const uint32_t* packed = nullptr;  // AMX: x's rows as B tiles (PackTile)
+  uint32_t* packed = nullptr;  // AMX: x's rows as B tiles, written by the job (PackTile)
 };
 
 // float32 values rounded to the nearest bfloat16 (ties to even), as float32
@@ -145,9 +145,9 @@ inline void Transpose16(__m512i r[16]) {
 
 // x tile t of a group as B tiles: for each k chunk c, 16 k pairs by 16 rows, each pair two bfloat16 (one uint32);
 // rows past the group's are zeros
-inline void PackTile(const Group& g, int64_t K, int64_t t, uint32_t* packed) {
+inline void PackTile(const Group& g, int64_t K, int64_t t) {
   const int64_t chunks = K / kAmxK;
-  uint32_t* tile = packed + t * chunks * 256;
+  uint32_t* tile = g.packed + t * chunks * 256;
   for (int64_t c = 0; c < chunks; ++c) {
     __m512i r[16];
     for (int64_t i = 0; i < 16; ++i) {
@@ -235,17 +235,14 @@ class Job {
     amx_ = amx && shape.K % kAmxK == 0;
     if (amx_) {
       if (!AmxPermitted()) return false;
-      int64_t size = 0;
-      for (const Group& g : groups_) {
-        for (int64_t t = 0; t < (g.rows + kAmxRows - 1) / kAmxRows; ++t) tiles_.push_back({&g - groups_.data(), t});
-        size += (g.rows + kAmxRows - 1) / kAmxRows * (shape.K / kAmxK) * 256;
+      const int64_t tile_size = shape.K / kAmxK * 256;  // uint32 per packed x tile
+      std::vector<int64_t> first(groups_.size());
+      for (size_t i = 0; i < groups_.size(); ++i) {
+        first[i] = static_cast<int64_t>(tiles_.size()) * tile_size;
+        for (int64_t t = 0; t * kAmxRows < groups_[i].rows; ++t) tiles_.push_back({static_cast<int64_t>(i), t});
       }
-      packed_.reset(new uint32_t[size]);  // every element is written by PackTile
-      uint32_t* at = packed_.get();
-      for (Group& g : groups_) {
-        g.packed = at;
-        at += (g.rows + kAmxRows - 1) / kAmxRows * (shape.K / kAmxK) * 256;
-      }
+      packed_.reset(new uint32_t[tiles_.size() * tile_size]);  // every element is written by PackTile
+      for (size_t i = 0; i < groups_.size(); ++i) groups_[i].packed = packed_.get() + first[i];
     }
     return true;
   }
@@ -256,8 +253,7 @@ class Job {
     const int64_t tiles = static_cast<int64_t>(tiles_.size());
     if (tiles > 0) {
       for (int64_t t; (t = next_tile_.fetch_add(1)) < tiles;) {
-        const Group& g = groups_[tiles_[t].group];
-        PackTile(g, shape_.K, tiles_[t].tile, const_cast<uint32_t*>(g.packed));
+        PackTile(groups_[tiles_[t].group], shape_.K, tiles_[t].tile);
         packed_tiles_.fetch_add(1, std::memory_order_release);
       }
       while (packed_tiles_.load(std::memory_order_acquire) < tiles) _mm_pause();
