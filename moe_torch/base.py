@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 from collections.abc import Callable
 
 import torch
@@ -29,6 +32,40 @@ def info(t: torch.Tensor | None) -> ArrayInfo | None:
 def device_class(device: torch.device) -> str:
     """The spec's device class of a torch device ("cpu", "cuda"; other types are named as they are)."""
     return _DEVICE_CLASSES.get(device.type, device.type)
+
+
+_HUGE_PAGE = 2 << 20
+# buffers from this size on get transparent huge pages: a weight gradient of qwen3-cpu's gate/up weights (100 MB, fresh
+# memory every call) took 49 ms to write on 4 KB pages and 28 ms on 2 MB ones (8 rows per expert; 15 ms in memory
+# touched before): the first touch of each page is a fault. glibc gives allocations of 32 MB and more (its largest
+# mmap threshold) a mapping of their own, so the hint reaches no other allocation's memory.
+HUGE_PAGES_FROM_BYTES = 32 << 20
+
+
+@functools.cache
+def _madvise() -> Callable | None:
+    """libc's madvise where the OS has transparent huge pages (Linux), else None."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def empty_on_huge_pages(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """``like.new_empty(shape)``; on the CPU a large buffer's whole 2 MB pages are marked for transparent huge pages
+    before anything touches them (fewer first-touch faults; a hint the OS may ignore, the contents are the same)."""
+    out = like.new_empty(shape)
+    madvise = _madvise()
+    if out.device.type == "cpu" and out.nbytes >= HUGE_PAGES_FROM_BYTES and madvise is not None:
+        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        end = (out.data_ptr() + out.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        madvise(start, end - start, mmap.MADV_HUGEPAGE)
+    return out
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -669,6 +669,21 @@ def test_batched_mm_training_step_is_one_node_with_the_composed_bits(trained, pa
         np.testing.assert_array_equal(fused.float().numpy(), composed.float().numpy())
 
 
+def test_batched_mm_gathers_in_cache_sized_chunks_but_at_most_max_chunks():
+    """Compiled on the CPU, batched_mm gathers the weights of as many slots as fit CHUNK_BYTES per bmm, and in larger
+    chunks where that would make more than MAX_CHUNKS (each chunk is a bmm in the compiled graph)."""
+    from moe_torch.backends import batched_mm
+
+    table = torch.empty(4, 768, 1024, dtype=torch.bfloat16)  # 1.5 MB per slot: two slots per 4 MB
+    few = batched_mm._chunks(16, table)
+    assert [(c.start, c.stop) for c in few] == [(s, s + 2) for s in range(0, 16, 2)]
+    many = batched_mm._chunks(8190, table)
+    assert len(many) == batched_mm.MAX_CHUNKS
+    assert [c.start for c in many[1:]] == [c.stop for c in many[:-1]] == list(range(128, 8190, 128))
+    assert many[0].start == 0 and many[-1].stop >= 8190
+    assert batched_mm._chunks(2, table) is None
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
 def test_gate_backward_gives_autograds_bits(activation):
     """The gate's own backward ([dg, du] in one buffer) gives the bits of autograd through act(g) * u."""
@@ -793,3 +808,62 @@ def test_loop_weight_gradient_zeroes_every_idle_expert_and_multiplies_the_others
         start = end
     if hasattr(F, "grouped_mm"):
         assert torch.equal(got, F.grouped_mm(grad.t(), a, offs=offs))
+
+
+def test_cpu_grouped_linear_keeps_torchs_backward_bits_with_its_own_weight_gradient():
+    """Differentiated on the CPU, grouped_mm's native grouped matmul takes its weight gradient from the per-expert
+    loop (on huge pages): the input and weight gradients are F.grouped_mm's own autograd's bits."""
+    import torch.nn.functional as F
+
+    counts = torch.tensor([0, 3, 0, 0, 5, 1, 0], dtype=torch.int32)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(9, 32, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(7, 24, 32, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(9, 24, generator=g).bfloat16()
+    out = grouped_mm_backend.grouped_linear(a, w, offs)
+    assert type(out.grad_fn).__name__ == "_NativeGroupedLinearBackward"
+    ours = torch.autograd.grad(out, (a, w), dy)
+    theirs = torch.autograd.grad(F.grouped_mm(a, w.transpose(1, 2), offs=offs), (a, w), dy)
+    assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+    assert not ours[1][counts == 0].any()
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside, total = False, 0
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(v, 16) for v in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_large_cpu_buffers_are_marked_for_huge_pages(monkeypatch):
+    """empty_on_huge_pages asks for transparent huge pages on the whole 2 MB pages inside a large buffer (and on
+    nothing under HUGE_PAGES_FROM_BYTES); where the OS has them, the touched buffer then lies in huge pages."""
+    import mmap
+    from pathlib import Path
+
+    from moe_torch import base
+
+    like = torch.empty(0, dtype=torch.bfloat16)
+    real = base._madvise()
+    calls = []
+    monkeypatch.setattr(base, "_madvise", lambda: lambda *args: calls.append(args) or (real or (lambda *_: 0))(*args))
+    small = base.empty_on_huge_pages(like, 4, 1024, 2047)  # under base.HUGE_PAGES_FROM_BYTES
+    big = base.empty_on_huge_pages(like, 8, 1024, 2048)
+    assert small.shape == (4, 1024, 2047) and big.shape == (8, 1024, 2048) and big.dtype == torch.bfloat16
+    assert len(calls) == 1
+    start, length, advice = calls[0]
+    huge = 2 << 20
+    assert advice == mmap.MADV_HUGEPAGE and start % huge == 0 and length % huge == 0
+    assert big.data_ptr() <= start and start + length <= big.data_ptr() + big.nbytes
+    assert length >= big.nbytes - 2 * huge
+    big.fill_(1)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _anon_huge_kib(big.data_ptr() + big.nbytes // 2) > 0

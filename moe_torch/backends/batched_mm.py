@@ -22,6 +22,9 @@ from .grouped_mm import grouped_linear, grouped_weight_grad
 
 NAME = "batched_mm"
 CHUNK_BYTES = {"cpu": 4 << 20}  # gathered weights per torch.bmm; one bmm for every slot on other devices
+# at most this many chunks (larger ones past it): compiled, the chunk loop is unrolled into the graph, and qwen3-cpu's
+# forward at T=1024 (4096 chunks of two slots' gate/up weights) had not compiled after ten minutes
+MAX_CHUNKS = 64
 # devices where, uncompiled, each slot takes one matmul on its expert's weights where they lie: on the CPU, gathering
 # the weights costs as much as the matmuls (qwen3-cpu forward: 6.1 against 19.2 ms at T=4, 90 against 294 at T=64)
 IN_PLACE_DEVICES = ("cpu",)
@@ -29,9 +32,12 @@ SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient
 
 
 def _chunks(slots: int, table: torch.Tensor) -> list[slice] | None:
-    """The slot ranges whose gathered weights fit CHUNK_BYTES; None for one range of every slot."""
+    """The slot ranges whose gathered weights fit CHUNK_BYTES, at most MAX_CHUNKS of them; None for one range of
+    every slot."""
     limit = CHUNK_BYTES.get(table.device.type)
-    size = slots if limit is None else max(1, limit // max(1, table.shape[1] * table.shape[2] * table.element_size()))
+    if limit is None:
+        return None
+    size = max(1, limit // max(1, table.shape[1] * table.shape[2] * table.element_size()), -(-slots // MAX_CHUNKS))
     return None if size >= slots else [slice(start, start + size) for start in range(0, slots, size)]
 
 

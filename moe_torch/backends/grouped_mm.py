@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import expert_rows
-from ..base import RowGather, Slots, TokenRows, combine, expert_ends, gate, sort_by_expert, takes_grad, unsort_rows
+from ..base import (RowGather, Slots, TokenRows, combine, empty_on_huge_pages, expert_ends, gate, sort_by_expert,
+                    takes_grad, unsort_rows)
 
 NAME = "grouped_mm"
 # F.grouped_mm's dtypes per device that pass every shared vector of that dtype (on CUDA float32 and float16 checked
@@ -93,7 +94,7 @@ def grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor,
 def _weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
     if grad.device.type in K_GROUPED_DEVICES and k_grouped_supported(grad, a):
         return F.grouped_mm(grad.t(), a, offs=offs)
-    out = grad.new_empty(num_experts, grad.shape[1], a.shape[1])
+    out = empty_on_huge_pages(grad, num_experts, grad.shape[1], a.shape[1])
     start, idle_from = 0, None  # idle experts are zeroed a run of consecutive ones at a time (decode: a few runs)
     for e, end in enumerate(offs.tolist()):  # one host sync for the whole loop
         if end > start:
@@ -151,6 +152,26 @@ def _loop_backward(ctx, grad):
 grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)
 
 
+class _NativeGroupedLinear(torch.autograd.Function):
+    """F.grouped_mm(a, w.T) with torch's input gradient (F.grouped_mm(grad, w)) and ``grouped_weight_grad`` for the
+    weights': the same bits as F.grouped_mm's own backward, whose weight gradient on the CPU is written into fresh
+    4 KB pages (this one's are huge pages, see ``empty_on_huge_pages``)."""
+
+    @staticmethod
+    def forward(ctx, a, w, offs):
+        ctx.save_for_backward(a, w, offs)
+        return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, w, offs = ctx.saved_tensors
+        need_a, need_w = ctx.needs_input_grad[:2]
+        grad = grad.contiguous()
+        grad_a = F.grouped_mm(grad, w, offs=offs) if need_a else None
+        grad_w = grouped_weight_grad(grad, a, offs, w.shape[0]) if need_w else None
+        return grad_a, grad_w, None
+
+
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """[S, K] x [E, N, K] -> [S, N], rows grouped by expert at the int32 end offsets ``offs``: on the CPU row
     kernel at few rows per expert where it applies (``expert_rows``), else F.grouped_mm or the loop."""
@@ -162,6 +183,8 @@ def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     # F.grouped_mm's backward also takes the output gradient [S, N]: its rows must be 16-byte aligned too
     differentiated = torch.is_grad_enabled() and (a.requires_grad or w.requires_grad)
     if native_supported(a, w) and not (differentiated and (w.shape[1] * a.element_size()) % _ALIGN):
+        if differentiated and w.requires_grad and a.device.type not in K_GROUPED_DEVICES:
+            return _NativeGroupedLinear.apply(a, w, offs)
         return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
     return grouped_mm_loop(a.contiguous(), w, offs)
 
