@@ -10,8 +10,8 @@ It is built on first use (``moe_shared.native``).
 
 ``MOE_TORCH_ROW_KERNEL``: ``auto`` (default) uses it where the host has AVX512-BF16 and the build succeeds, else
 ``torch.mm`` (with a warning when the build failed); ``on`` raises ``RuntimeError`` with the reason where it cannot
-run; ``off`` never uses it. ``MOE_TORCH_ROW_KERNEL_AMX=0``: no AMX. Used in eager mode only (torch.compile sees
-the torch ops), for bfloat16 on the CPU, where nothing it computes is differentiated by autograd.
+run; ``off`` never uses it. ``MOE_TORCH_ROW_KERNEL_AMX=0``: no AMX. Used for bfloat16 on the CPU, where nothing it
+computes is differentiated by autograd; under torch.compile grouped_mm reaches it through an opaque op.
 """
 
 from __future__ import annotations
@@ -61,13 +61,28 @@ def amx() -> bool:
     return native.amx(VARIABLE)
 
 
+def _takes(x: torch.Tensor, table: torch.Tensor) -> bool:
+    """Whether the kernel takes ``x`` [*, K] times ``table`` [E, N, K] (each row by one expert's weights,
+    transposed): the CPU, bfloat16, K-contiguous rows, nothing that autograd differentiates."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and table.dtype == torch.bfloat16 and x.dim() == 2
+            and table.dim() == 3 and x.stride(-1) == 1 and table.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or table.requires_grad)))
+
+
 def applies(x: torch.Tensor, table: torch.Tensor) -> bool:
-    """Whether ``x`` [*, K] times ``table`` [E, N, K] (each row by one expert's weights, transposed) can run on the
-    kernel here: eager mode, the CPU, bfloat16, K-contiguous rows, nothing that autograd differentiates."""
-    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.bfloat16
-            and table.dtype == torch.bfloat16 and x.dim() == 2 and table.dim() == 3 and x.stride(-1) == 1
-            and table.is_contiguous()
-            and not (torch.is_grad_enabled() and (x.requires_grad or table.requires_grad)) and enabled())
+    """Whether ``x`` times ``table`` can run on the kernel here, in eager mode (see ``_takes``)."""
+    return not torch.compiler.is_compiling() and _takes(x, table) and enabled()
+
+
+@torch.compiler.assume_constant_result
+def _enabled_when_compiled() -> bool:
+    return enabled()
+
+
+def applies_compiled(x: torch.Tensor, table: torch.Tensor) -> bool:
+    """Under torch.compile: whether ``x`` times ``table`` goes through an opaque op that runs it as eager mode does
+    (on the kernel or not, by the rows per expert of each call)."""
+    return torch.compiler.is_compiling() and _takes(x, table) and _enabled_when_compiled()
 
 
 def expert_groups(offs: torch.Tensor) -> tuple[list[int], list[int], list[int]] | None:

@@ -313,16 +313,39 @@ def test_torch_backends_run_the_row_kernel(backend, monkeypatch):
 
 @needs_torch_kernel
 def test_torch_row_kernel_takes_few_rows_per_expert_only(monkeypatch):
-    """A grouped matmul runs on the kernel under MEAN_ROWS rows per expert with rows (idle experts not counted),
-    and never under torch.compile, where the compiler sees the torch ops."""
+    """A grouped matmul runs on the kernel under MEAN_ROWS rows per expert with rows (idle experts not counted);
+    under torch.compile not directly but through an opaque op (``applies_compiled``)."""
     bound = torch_rows.MEAN_ROWS[torch_rows.amx()]
     few = torch.tensor([0, bound - 1, bound - 1, 2 * bound - 2], dtype=torch.int32)  # two experts with rows
     assert torch_rows.expert_groups(few) == ([0, bound - 1], [bound - 1, bound - 1], [1, 3])
     assert torch_rows.expert_groups(torch.tensor([bound, 2 * bound], dtype=torch.int32)) is None
     x, table = torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(2, 16, 32, dtype=torch.bfloat16)
     assert torch_rows.applies(x, table)
+    assert not torch_rows.applies_compiled(x, table)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not torch_rows.applies(x, table)
+    assert not torch_rows.applies(x, table) and torch_rows.applies_compiled(x, table)
+
+
+@needs_torch_kernel
+def test_compiled_grouped_mm_runs_the_row_kernel_through_its_op(monkeypatch):
+    """Compiled with fullgraph, grouped_mm's bfloat16 inference runs each projection in the opaque op
+    moe_torch::eager_grouped_linear, which takes the kernel at few rows per expert; with MOE_TORCH_ROW_KERNEL=off
+    the graph has no such op. The output within the tolerance table either way."""
+    arrays = random_case(24, T=24, H=96, I=48, E=6, k=2, bias=False, empty_fraction=0.1)[0]
+    expected = reference.experts_forward(**arrays, activation="silu")
+    values = {n: torch.from_numpy(np.ascontiguousarray(a)) if n == "top_k_index" else
+              torch.from_numpy(np.ascontiguousarray(a)).bfloat16() for n, a in arrays.items()}
+    for setting, calls in (("auto", 2), ("off", 0)):
+        monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", setting)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda **kw: torch_experts_forward(**kw, implementation="grouped_mm"),
+                                 fullgraph=True)
+        compiled(**values)
+        result = {}
+        ops = _torch_ops(lambda: result.setdefault("out", compiled(**values)))
+        assert ops.get("moe_torch::eager_grouped_linear", 0) == calls, setting
+        assert ops.get(torch_rows.PROFILER_NAME, 0) == calls, setting
+        assert_close("out", result["out"].double().numpy(), expected, "bfloat16")
 
 
 def test_torch_row_kernel_says_why_it_cannot_run(fresh_torch_state, monkeypatch):

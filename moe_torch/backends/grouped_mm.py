@@ -2,7 +2,8 @@
 
 The grouped matmul is ``torch.nn.functional.grouped_mm`` where it supports the dtype, device and strides, else the
 ``moe_torch::grouped_mm_loop`` custom op (a per-expert loop, opaque to torch.compile); on the CPU in bfloat16 at
-inference with few rows per expert, the CPU row kernel (``moe_torch.expert_rows``). All are per-expert matmuls; the
+inference with few rows per expert, the CPU row kernel (``moe_torch.expert_rows``; compiled, through the opaque op
+``moe_torch::eager_grouped_linear``). All are per-expert matmuls; the
 combine is a gather back to slot order and a sum over k (no atomics on any device). The backward has no atomics
 either: the row gathers carry their own gradients (a per-token sum over k in float32, a per-expert bias
 sum as a one-hot matmul, the inverse permutation), so it gives the same bits on every run.
@@ -180,6 +181,8 @@ def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
         if groups is not None:
             starts, counts, experts = groups
             return expert_rows.grouped_rows(a, w, a.shape[0], starts, starts, counts, experts).to(a.dtype)
+    elif expert_rows.applies_compiled(a, w):
+        return _eager_grouped_linear(a, w, offs)
     # F.grouped_mm's backward also takes the output gradient [S, N]: its rows must be 16-byte aligned too
     differentiated = torch.is_grad_enabled() and (a.requires_grad or w.requires_grad)
     if native_supported(a, w) and not (differentiated and (w.shape[1] * a.element_size()) % _ALIGN):
@@ -187,6 +190,18 @@ def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
             return _NativeGroupedLinear.apply(a, w, offs)
         return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
     return grouped_mm_loop(a.contiguous(), w, offs)
+
+
+@torch.library.custom_op("moe_torch::eager_grouped_linear", mutates_args=())
+def _eager_grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_linear as eager mode runs it, for torch.compile: the CPU row kernel where the call's rows per expert
+    are few, else F.grouped_mm or the loop."""
+    return grouped_linear(a, w, offs)
+
+
+@_eager_grouped_linear.register_fake
+def _(a, w, offs):
+    return a.new_empty(a.shape[0], w.shape[1])
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
