@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -832,7 +833,7 @@ def test_cpu_grouped_linear_keeps_torchs_backward_bits_with_its_own_weight_gradi
 def _anon_huge_kib(address: int) -> int:
     """AnonHugePages of the mapping holding ``address`` (/proc/self/smaps)."""
     inside, total = False, 0
-    for line in open("/proc/self/smaps").read().splitlines():
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             low, high = (int(v, 16) for v in head.split("-"))
@@ -846,14 +847,18 @@ def test_large_cpu_buffers_are_marked_for_huge_pages(monkeypatch):
     """empty_on_huge_pages asks for transparent huge pages on the whole 2 MB pages inside a large buffer (and on
     nothing under HUGE_PAGES_FROM_BYTES); where the OS has them, the touched buffer then lies in huge pages."""
     import mmap
-    from pathlib import Path
 
     from moe_torch import base
 
     like = torch.empty(0, dtype=torch.bfloat16)
     real = base._madvise()
     calls = []
-    monkeypatch.setattr(base, "_madvise", lambda: lambda *args: calls.append(args) or (real or (lambda *_: 0))(*args))
+
+    def recorded(*args):
+        calls.append(args)
+        return real(*args) if real is not None else 0
+
+    monkeypatch.setattr(base, "_madvise", lambda: recorded)
     small = base.empty_on_huge_pages(like, 4, 1024, 2047)  # under base.HUGE_PAGES_FROM_BYTES
     big = base.empty_on_huge_pages(like, 8, 1024, 2048)
     assert small.shape == (4, 1024, 2047) and big.shape == (8, 1024, 2048) and big.dtype == torch.bfloat16
