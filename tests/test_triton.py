@@ -44,7 +44,8 @@ def torch_run(arrays, dtype, grad_output=None, activation="silu", training=True)
     return result
 
 
-def jax_run(arrays, dtype, grad_output=None, activation="silu", training=True):
+def jax_run(arrays, dtype, grad_output=None, activation="silu", training=True,
+            launcher=triton_interpreter.jax_interpreter_launch):
     """The same through the JAX binding, jitted, with its kernels launched under the interpreter."""
     values = to_jax(arrays, dtype)
     names = [n for n in DIFF_ARGS if n in values]
@@ -52,7 +53,7 @@ def jax_run(arrays, dtype, grad_output=None, activation="silu", training=True):
     def f(*diff):
         return jax_triton_backend.experts_forward(**(values | dict(zip(names, diff))), activation=activation)
 
-    with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):
+    with jax_triton_backend.use_launcher(launcher):
         if not training:
             return {"out": np.asarray(jax.jit(f)(*(values[n] for n in names)).astype(jnp.float32), np.float64)}
         out, vjp = jax.vjp(jax.jit(f), *(values[n] for n in names))
@@ -621,23 +622,30 @@ def test_tensor_descriptors_need_a_layout_that_fits():
     assert plans._b_descriptor(problem, plans.TileConfig(), (40 * 24, 1, 24), 24)["B_DESC"] == plans.B_POINTERS
 
 
-def test_jax_binding_reads_weights_through_descriptors_when_allowed(monkeypatch):
-    """Off by default in JAX (``TENSOR_DESCRIPTORS``); allowed, its kernels give torch's bits."""
+def test_jax_binding_reads_weights_through_descriptors_when_its_launcher_gives_scratch():
+    """A launcher without global scratch (jax_triton's) gets pointer loads; one with it (the default), the
+    descriptor loads, with the same bits."""
     arrays, grad_output = random_case(11, T=24, H=32, I=16, E=3, k=2, bias=False)
     shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
+    values = to_jax(arrays, "bfloat16")
+
+    def b_loads():
+        problem = jax_triton_backend.problem_of(values["hidden_states"], values["top_k_index"],
+                                                values["gate_up_proj"], values["down_proj"], None, None, "silu")
+        return {s.constants["B_DESC"] for s in plans.forward_plan(problem).steps if s.kernel == "grouped_gemm_kernel"}
+
+    assert jax_triton_backend.JAX_TRITON_LAUNCHER.tensor_descriptors is False
+    assert jax_triton_backend.XLA_LAUNCHER.tensor_descriptors is True
+    with_scratch = jax_triton_backend.Launcher(triton_interpreter.jax_interpreter_launch, tensor_descriptors=True)
     try:
         for kernel, N, K in shapes:
             plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16, TMA=True)
         plans.clear_caches()
-        values = to_jax(arrays, "bfloat16")
-        problem = jax_triton_backend.problem_of(values["hidden_states"], values["top_k_index"],
-                                                values["gate_up_proj"], values["down_proj"], None, None, "silu")
-        assert {s.constants["B_DESC"] for s in plans.forward_plan(problem).steps
-                if s.kernel == "grouped_gemm_kernel"} == {plans.B_POINTERS}
-        monkeypatch.setattr(jax_triton_backend, "TENSOR_DESCRIPTORS", True)
-        described = jax_run(arrays, "bfloat16", grad_output)
-        plans.clear_caches()
-        monkeypatch.setattr(jax_triton_backend, "TENSOR_DESCRIPTORS", False)
+        with jax_triton_backend.use_launcher(with_scratch):
+            assert b_loads() == {plans.B_K_ROWS}
+            described = jax_run(arrays, "bfloat16", grad_output, launcher=with_scratch)
+        with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):
+            assert b_loads() == {plans.B_POINTERS}
         plain = jax_run(arrays, "bfloat16", grad_output)
     finally:
         plans.OVERRIDES.clear()

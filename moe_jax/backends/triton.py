@@ -1,8 +1,8 @@
 """triton (JAX): the fused MoE Triton kernels of ``moe_shared.kernels``, the same ones moe_torch launches.
 
-Each step of the shared launch plans (``moe_shared.kernels.plan``) is one ``jax_triton.triton_call`` on XLA's
-stream; the forward, the input gradients and the weight gradients are separate calls inside one ``jax.custom_vjp``
-(``triton_call`` itself has no autodiff). Works under ``jax.jit``; every size is static there, so the plan (grids,
+Each step of the shared launch plans (``moe_shared.kernels.plan``) is one custom call into jaxlib's Triton launcher
+on XLA's stream (``moe_jax.triton_call``, which gives the kernels the global scratch their tensor descriptors need);
+the forward, the input gradients and the weight gradients are separate calls inside one ``jax.custom_vjp``. Works under ``jax.jit``; every size is static there, so the plan (grids,
 tile configs) is fixed when the program is traced.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache, partial
 from types import ModuleType
 
@@ -23,8 +24,14 @@ from moe_shared.kernels import plan as plans
 NAME = "triton"
 SUPPORT = load_spec().backends[NAME].support("jax")
 
-Launcher = Callable[[object, plans.Step, list, list], list]
-"""(kernel, step, arguments, output ShapeDtypeStructs) -> output arrays."""
+
+@dataclass(frozen=True)
+class Launcher:
+    """How the plan steps are launched: ``launch(kernel, step, arguments, output ShapeDtypeStructs) -> output
+    arrays``, and whether it gives kernels their global scratch (where tensor descriptors are built)."""
+
+    launch: Callable[[object, plans.Step, list, list], list]
+    tensor_descriptors: bool = False
 
 
 def import_jax_triton(backend: str, requires) -> ModuleType:
@@ -45,21 +52,34 @@ def _jax_triton() -> ModuleType:
     return import_jax_triton(NAME, SUPPORT.requires)
 
 
-def jax_triton_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
+def _jax_triton_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
     return _jax_triton().triton_call(
         *args, kernel=kernel, out_shape=out_shapes, grid=(step.grid,), num_warps=step.num_warps,
         num_stages=step.num_stages, zeroed_outputs=step.zeroed, **step.constants)
 
 
-_launcher: Launcher = jax_triton_launch
+def _xla_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
+    from moe_jax import triton_call
+    return triton_call.launch(kernel, step.grid, args, out_shapes, dict(step.constants), num_warps=step.num_warps,
+                              num_stages=step.num_stages, zeroed=step.zeroed)
+
+
+XLA_LAUNCHER = Launcher(_xla_launch, tensor_descriptors=True)
+"""jaxlib's Triton launcher called directly (``moe_jax.triton_call``): kernels get their global scratch."""
+JAX_TRITON_LAUNCHER = Launcher(_jax_triton_launch, tensor_descriptors=False)
+"""``jax_triton.triton_call``: jaxlib 0.11.2 passes a null global-scratch pointer there, so a kernel building a
+tensor descriptor faults (an illegal address on the H200, tests/device_results/nvidia-h200-triton-descriptors.json)."""
+
+_launcher: Launcher = XLA_LAUNCHER
 
 
 @contextlib.contextmanager
-def use_launcher(launcher: Launcher) -> Iterator[None]:
-    """Launch the kernels through ``launcher`` inside the block (the tests run them under the Triton interpreter
-    this way); the default is ``jax_triton.triton_call``."""
+def use_launcher(launcher: Launcher | Callable) -> Iterator[None]:
+    """Launch the kernels through ``launcher`` inside the block, a ``Launcher`` or a bare launch function (no
+    global scratch: no tensor descriptors); the tests run the kernels under the Triton interpreter this way. The
+    default is ``XLA_LAUNCHER``."""
     global _launcher
-    previous, _launcher = _launcher, launcher
+    previous, _launcher = _launcher, launcher if isinstance(launcher, Launcher) else Launcher(launcher)
     try:
         yield
     finally:
@@ -84,12 +104,6 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-TENSOR_DESCRIPTORS = False
-"""Whether the kernels may read the weights through tensor descriptors. Off: jaxlib launches Triton kernels with a
-null global-scratch pointer, where device-side descriptors live (an illegal address with jaxlib 0.11.2 on the H200,
-tests/device_results/nvidia-h200-triton-descriptors.json)."""
-
-
 def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                deterministic: bool = True) -> plans.Problem:
     E, H, I = down_proj.shape
@@ -99,7 +113,7 @@ def problem_of(x, top_k_index, gate_up_proj, down_proj, gate_up_bias, down_bias,
         down_strides=_contiguous_strides(down_proj.shape),
         gate_up_bias_stride=None if gate_up_bias is None else gate_up_bias.shape[1],
         down_bias_stride=None if down_bias is None else down_bias.shape[1], device=_device_name(),
-        deterministic=deterministic, tma=TENSOR_DESCRIPTORS)
+        deterministic=deterministic, tma=_launcher.tensor_descriptors)
 
 
 def run_plan(plan: plans.Plan, env: dict, dtypes: dict | None = None) -> dict:
@@ -114,7 +128,7 @@ def run_plan(plan: plans.Plan, env: dict, dtypes: dict | None = None) -> dict:
         shapes = [jax.ShapeDtypeStruct(b.shape, dtypes[b.dtype]) for b in step.outputs]
         if step.grid:
             args = [env[a] if isinstance(a, str) else a for a in step.inputs]
-            outputs = _launcher(getattr(kernels, step.kernel), step, args, shapes)
+            outputs = _launcher.launch(getattr(kernels, step.kernel), step, args, shapes)
         else:
             outputs = [jnp.zeros(s.shape, s.dtype) for s in shapes]
         env.update((b.name, out) for b, out in zip(step.outputs, outputs))

@@ -1,0 +1,152 @@
+"""Triton kernels as XLA custom calls, with their global scratch: what lets them build tensor descriptors (TMA).
+
+Each launch is one call of jaxlib's Triton launcher (the ``triton_kernel_call`` custom-call target, the one
+jax_triton calls), on XLA's stream, under ``jax.jit`` or eagerly. The kernel is compiled here by
+``triton.compile`` with the options and argument specialisation of triton's own launch (what moe_torch runs), so
+both frameworks run the same binary code for the same plan step.
+
+jaxlib passes a null pointer where a Triton kernel takes its global scratch, the memory in which device-side
+tensor descriptors are built: such a kernel faults from jax_triton. Here a kernel that needs scratch gets it as one
+more output of the call (programs x scratch bytes, uint8), passed as the last array parameter. Triton appends the
+global-scratch and profile-scratch pointers after a kernel's own parameters, so that array lands in the scratch
+slot; jaxlib's two trailing null pointers then fill the profile-scratch slot and one slot past the end, which
+``cuLaunchKernel`` does not read (it reads as many parameters as the kernel declares).
+"""
+
+from __future__ import annotations
+
+import inspect
+import zlib
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "triton_kernel_call"  # jaxlib's custom-call target for Triton kernels (legacy API, version 2)
+POINTER_DIVISIBILITY = 16  # bytes: every array argument is specialised as 16-byte aligned (XLA's buffers are)
+
+_TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
+                 "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint16": "u16", "uint32": "u32",
+                 "bool": "i1"}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    name: str
+    ptx: str
+    shared: int  # bytes of shared memory a program takes
+    scratch_bytes: int  # global scratch per program (0: none)
+    scratch_align: int
+
+
+def argument_type(arg) -> str | int:
+    """Triton's signature type of a kernel argument: ``*bf16`` etc. for an array (or its ShapeDtypeStruct),
+    ``i32``/``i64`` for an integer, and the integer 1 itself, which triton's launch specialises as a constant."""
+    if isinstance(arg, bool):
+        return "i1"
+    if isinstance(arg, int):
+        if arg == 1:
+            return 1
+        return "i32" if -2**31 <= arg < 2**31 else "i64"
+    name = jnp.dtype(arg.dtype).name
+    if name not in _TRITON_TYPES:
+        raise TypeError(f"Triton kernel argument: expected an array of one of {sorted(_TRITON_TYPES)}, got {name}")
+    return "*" + _TRITON_TYPES[name]
+
+
+def triton_signature(kernel, types: tuple, constants: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of ``triton.compiler.ASTSource`` for ``kernel`` called with arguments of
+    ``types`` (``argument_type``) in its parameter order and ``constants`` by keyword; a constexpr parameter left
+    out takes its default."""
+    names = kernel.arg_names
+    if len(types) + len(constants) > len(names):
+        raise TypeError(f"{kernel.__name__}: {len(types)} arguments and {len(constants)} constants for "
+                        f"{len(names)} parameters")
+    signature, constexprs, attrs = {}, {}, {}
+    for i, kind in enumerate(types):
+        if kind == 1:
+            signature[names[i]], constexprs[names[i]] = "constexpr", 1
+        else:
+            signature[names[i]] = kind
+            if kind.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", POINTER_DIVISIBILITY]]
+    parameters = inspect.signature(kernel.fn).parameters
+    for name in names[len(types):]:
+        if name in constants:
+            value = constants[name]
+        elif parameters[name].default is not inspect.Parameter.empty:
+            value = parameters[name].default
+        else:
+            raise TypeError(f"{kernel.__name__}: no value for its parameter {name!r}")
+        signature[name], constexprs[name] = "constexpr", value
+    return signature, constexprs, attrs
+
+
+@lru_cache(maxsize=1024)
+def compile_kernel(kernel, types: tuple, constants: tuple, num_warps: int, num_stages: int,
+                   capability: int) -> Compiled:
+    """``kernel`` compiled for compute capability ``capability`` (e.g. 90) by ``triton.compile`` (its disk
+    cache applies)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs = triton_signature(kernel, types, dict(constants))
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                              target=GPUTarget("cuda", capability, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    meta = compiled.metadata
+    return Compiled(meta.name, compiled.asm["ptx"], meta.shared, meta.global_scratch_size,
+                    meta.global_scratch_align)
+
+
+@cache
+def _jaxlib_triton() -> ModuleType:
+    from jax._src.lib import gpu_triton
+    if not hasattr(gpu_triton, "TritonKernelCall"):
+        raise ImportError("jaxlib has no Triton launcher here (jax._src.lib.gpu_triton.TritonKernelCall): "
+                          "a CUDA build of jaxlib is needed (pip install 'jax[cuda13]')")
+    return gpu_triton
+
+
+def compute_capability(device=None) -> int:
+    """The compute capability of a CUDA device as an integer (9.0 -> 90); default: JAX's first device."""
+    device = jax.devices()[0] if device is None else device
+    major, minor = str(device.compute_capability).split(".")
+    return int(major) * 10 + int(minor)
+
+
+def launch(kernel, grid: int, args: list, out_shapes: list, constants: dict, *, num_warps: int,
+           num_stages: int, zeroed: tuple[int, ...] = ()) -> list:
+    """Run ``kernel`` over a 1-D ``grid`` on ``args`` (arrays and integers, in its parameter order) with the
+    outputs ``out_shapes`` (``jax.ShapeDtypeStruct``, following the arguments) and ``constants`` (constexpr
+    keywords); the outputs in ``zeroed`` start as zeros. Returns the output arrays."""
+    lib = _jaxlib_triton()
+    capability = compute_capability()
+    types = tuple(argument_type(a) for a in (*args, *out_shapes))
+    compiled = compile_kernel(kernel, types, tuple(sorted(constants.items())), num_warps, num_stages, capability)
+    params = []
+    for arg, kind in zip(args, types):
+        if kind == 1:
+            continue
+        if isinstance(arg, int):
+            params.append(lib.create_scalar_parameter(arg, kind))
+        else:
+            params.append(lib.create_array_parameter(0, POINTER_DIVISIBILITY))
+    for i, shape in enumerate(out_shapes):
+        zero_bytes = int(np.prod(shape.shape)) * jnp.dtype(shape.dtype).itemsize if i in zeroed else 0
+        params.append(lib.create_array_parameter(zero_bytes, POINTER_DIVISIBILITY))
+    results = list(out_shapes)
+    if compiled.scratch_bytes:
+        results.append(jax.ShapeDtypeStruct((grid * compiled.scratch_bytes,), jnp.uint8))
+        params.append(lib.create_array_parameter(0, max(compiled.scratch_align, POINTER_DIVISIBILITY)))
+    call = lib.TritonKernelCall(
+        lib.TritonKernel(compiled.name, num_warps, 1, compiled.shared, compiled.ptx, "", capability),
+        grid, 1, 1, params)
+    opaque = zlib.compress(call.to_proto(compiled.name, b""))
+    outputs = jax.ffi.ffi_call(TARGET, results, custom_call_api_version=2, legacy_backend_config=opaque)(
+        *[a for a in args if not isinstance(a, int)])
+    return list(outputs[:len(out_shapes)])

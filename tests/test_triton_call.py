@@ -1,0 +1,174 @@
+"""moe_jax.triton_call: Triton kernels as custom calls into jaxlib's Triton launcher, with their global scratch.
+
+The launch itself needs a CUDA jaxlib (tests/device_triton_check.py runs it on the GPU). Here: the signature and
+specialisation the kernels are compiled with, a real compile for the H200's compute capability (triton's ptxas,
+no GPU needed: which steps need scratch), and the custom call's parameters and buffers, lowered for the CPU with a
+stand-in for jaxlib's launcher module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from moe_jax import triton_call
+from moe_shared.kernels import moe, plan as plans
+
+QWEN3_T4096 = plans.Problem(T=4096, H=2048, I=768, E=128, k=8, activation="silu", dtype="bfloat16",
+                            gate_up_strides=(1536 * 2048, 2048, 1), down_strides=(2048 * 768, 768, 1),
+                            device="NVIDIA H200", tma=True)
+
+
+def test_argument_types_follow_triton_s_launch():
+    assert triton_call.argument_type(jnp.zeros(3, jnp.bfloat16)) == "*bf16"
+    assert triton_call.argument_type(jax.ShapeDtypeStruct((2,), jnp.int32)) == "*i32"
+    assert triton_call.argument_type(7) == "i32"
+    assert triton_call.argument_type(2**40) == "i64"
+    assert triton_call.argument_type(1) == 1  # specialised as a constant, as triton's launch does
+    with pytest.raises(TypeError, match=r"expected an array of one of .*, got complex64"):
+        triton_call.argument_type(jnp.zeros(2, jnp.complex64))
+
+
+def test_signature_takes_defaults_specialises_pointers_and_ones():
+    step = plans.forward_plan(QWEN3_T4096).steps[0]  # the routing histogram: (ids, S) -> hist
+    types = ("*i32", "i32", "*i32")
+    signature, constexprs, attrs = triton_call.triton_signature(moe.route_histogram_kernel, types,
+                                                                dict(step.constants))
+    assert list(signature)[:3] == ["ids_ptr", "S", "hist_ptr"]
+    assert [signature[n] for n in ("ids_ptr", "S", "hist_ptr")] == list(types)
+    assert attrs == {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    assert all(signature[n] == "constexpr" for n in constexprs)
+    assert set(constexprs) == set(moe.route_histogram_kernel.arg_names[3:])  # the given ones and the defaults
+    assert {n: constexprs[n] for n in step.constants} == dict(step.constants)
+    signature, constexprs, _ = triton_call.triton_signature(moe.route_histogram_kernel, ("*i32", 1, "*i32"),
+                                                            dict(step.constants))
+    assert signature["S"] == "constexpr" and constexprs["S"] == 1
+    with pytest.raises(TypeError, match=r"no value for its parameter 'CHUNK'"):
+        triton_call.triton_signature(moe.route_histogram_kernel, types, {"E": 4, "EB": 8})
+
+
+_COMPILE_SCRIPT = """
+import json, sys
+from moe_jax import triton_call
+from moe_shared.kernels import moe, plan as plans
+fields = json.loads(sys.argv[1])
+QWEN3_T4096 = plans.Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+types = {"x": "*bf16", "gate_up": "*bf16", "down": "*bf16", "w": "*bf16", "y": "*bf16", "act": "*bf16",
+         "unused": "*bf16", "out": "*bf16", "ids": "*i32", "hist": "*i32", "order": "*i32", "counts": "*i32",
+         "starts": "*i32"}
+found = []
+for tma in (True, False):
+    problem = plans.Problem(**{**QWEN3_T4096.__dict__, "tma": tma})
+    for step in plans.forward_plan(problem).steps:
+        args = [a if isinstance(a, int) else types[a] for a in step.inputs] + [types[b.name] for b in step.outputs]
+        args = [triton_call.argument_type(a) if isinstance(a, int) else a for a in args]
+        c = triton_call.compile_kernel(getattr(moe, step.kernel), tuple(args), tuple(sorted(step.constants.items())),
+                                       step.num_warps, step.num_stages, 90)
+        found.append(dict(kernel=step.kernel, b_desc=step.constants.get("B_DESC"), name=c.name, shared=c.shared,
+                          scratch=c.scratch_bytes, align=c.scratch_align, ptx_target=".target sm_90" in c.ptx))
+print(json.dumps(found))
+"""
+
+
+def test_compiled_for_the_h200_the_descriptor_steps_need_scratch_and_no_other(tmp_path):
+    """Compiled for compute capability 9.0 with triton's own ptxas, outside the interpreter (a subprocess)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(QWEN3_T4096.__dict__)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    gemms = [f for f in found if f["kernel"] == "grouped_gemm_kernel"]
+    assert [f["b_desc"] for f in gemms] == [plans.B_K_ROWS] * 2 + [plans.B_POINTERS] * 2
+    assert all(f["scratch"] > 0 and f["scratch"] % 128 == 0 and f["align"] >= 64 for f in gemms[:2])
+    assert all(f["scratch"] == 0 for f in found if f not in gemms[:2])
+    assert all(f["ptx_target"] and f["shared"] > 0 for f in gemms)
+
+
+class _Recorder:
+    """Stands in for jaxlib's Triton launcher module: records what the custom call would carry."""
+
+    def __init__(self):
+        self.calls = []
+
+    def create_array_parameter(self, zero_bytes, divisibility):
+        return ("array", zero_bytes, divisibility)
+
+    def create_scalar_parameter(self, value, kind):
+        return ("scalar", value, kind)
+
+    def TritonKernel(self, *fields):
+        return fields
+
+    def TritonKernelCall(self, kernel, g0, g1, g2, params):
+        recorder = self
+
+        class Call:
+            def to_proto(self, name, metadata):
+                recorder.calls.append(dict(kernel=kernel, grid=(g0, g1, g2), params=params, name=name))
+                return json.dumps(dict(name=name, grid=g0)).encode()
+
+        return Call()
+
+
+def test_launch_passes_the_scratch_as_the_last_buffer(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(triton_call, "_jaxlib_triton", lambda: recorder)
+    monkeypatch.setattr(triton_call, "compute_capability", lambda device=None: 90)
+    compiled = triton_call.Compiled("grouped_gemm_kernel", "// ptx", 1234, scratch_bytes=256, scratch_align=128)
+    seen = []
+
+    def fake_compile(kernel, types, constants, num_warps, num_stages, capability):
+        seen.append((kernel, types, dict(constants), num_warps, num_stages, capability))
+        return compiled
+
+    monkeypatch.setattr(triton_call, "compile_kernel", fake_compile)
+    x, w = jnp.zeros((6, 4), jnp.bfloat16), jnp.zeros((6,), jnp.float32)
+    outs = [jax.ShapeDtypeStruct((6, 4), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.int32)]
+
+    def call(x, w):
+        return triton_call.launch(moe.grouped_gemm_kernel, 5, [x, 9, w, 1], outs, {"BM": 16}, num_warps=4,
+                                  num_stages=3, zeroed=(0,))
+
+    lowered = jax.jit(call).lower(x, w)
+    text = lowered.as_text()
+    assert "triton_kernel_call" in text and "api_version = 2" in text
+    assert "tensor<1280xui8>" in text  # 5 programs x 256 bytes of scratch, one more result
+    assert [o.shape for o in jax.eval_shape(call, x, w)] == [(6, 4), (3,)]  # the scratch is not returned
+    (kernel, types, constants, warps, stages, capability), = seen
+    assert types == ("*bf16", "i32", "*fp32", 1, "*fp32", "*i32") and constants == {"BM": 16}
+    (record,) = recorder.calls
+    assert record["kernel"] == ("grouped_gemm_kernel", 4, 1, 1234, "// ptx", "", 90) and record["grid"] == (5, 1, 1)
+    assert record["params"] == [("array", 0, 16), ("scalar", 9, "i32"), ("array", 0, 16),  # x, 9, w; 1 dropped
+                                ("array", 6 * 4 * 4, 16), ("array", 0, 16),  # outputs, the first zeroed
+                                ("array", 0, 128)]  # the scratch, in the global-scratch slot
+
+
+def test_launch_without_scratch_adds_no_buffer(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(triton_call, "_jaxlib_triton", lambda: recorder)
+    monkeypatch.setattr(triton_call, "compute_capability", lambda device=None: 90)
+    monkeypatch.setattr(triton_call, "compile_kernel",
+                        lambda *a: triton_call.Compiled("combine_kernel", "// ptx", 0, 0, 1))
+    x = jnp.zeros((4, 8), jnp.bfloat16)
+    text = jax.jit(lambda x: triton_call.launch(moe.combine_kernel, 2, [x], [jax.ShapeDtypeStruct((4, 8), x.dtype)],
+                                                {}, num_warps=4, num_stages=1)).lower(x).as_text()
+    assert "ui8" not in text
+    assert recorder.calls[0]["params"] == [("array", 0, 16), ("array", 0, 16)]
+
+
+def test_a_jaxlib_without_the_launcher_names_what_to_install(monkeypatch):
+    from jax._src.lib import gpu_triton
+    monkeypatch.delattr(gpu_triton, "TritonKernelCall", raising=False)
+    triton_call._jaxlib_triton.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"a CUDA build of jaxlib is needed \(pip install 'jax\[cuda13\]'\)"):
+            triton_call._jaxlib_triton()
+    finally:
+        triton_call._jaxlib_triton.cache_clear()
