@@ -11,8 +11,9 @@ zero in the result. Two kernels, chosen per platform when the program is lowered
   Cost grows with S + E * small block, never with E * S.
   Differentiated by its own VJP (the input gradient is again a segment loop, the weight gradient a blocked
   transposed product).
-- ``triton``: the Triton grouped GEMM of ``moe_shared.kernels`` through jax_triton (CUDA), with its own VJP (the
-  input gradient on the transposed weights, the weight gradient a K-grouped GEMM over each expert's rows).
+- ``triton``: the Triton grouped GEMM of ``moe_shared.kernels`` through jaxlib's Triton launcher (CUDA), with its
+  own VJP (the input gradient on the transposed weights, the weight gradient a K-grouped GEMM over each expert's
+  rows).
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def _triton(x, w, group_sizes, transpose_w: bool):
 KERNELS: dict[str, Callable] = {
     "ragged_dot": _ragged,
     "segment_loop": lambda x, w, gs, transpose_w: _segment(x, w, gs, transpose_w),
-    "triton": _triton,  # moe_shared.kernels' Triton grouped GEMM, through jax_triton (CUDA only)
+    "triton": _triton,  # moe_shared.kernels' Triton grouped GEMM (CUDA only)
 }
 
 

@@ -8,7 +8,7 @@ methods of the tensors it is given and the step functions of ``load_steps`` (Son
 
 The routing metadata (slots grouped by expert, on the device, no host sync) comes first, from the shared Triton
 kernels of ``moe_shared.kernels`` (``plan.sonic_routing_plan``), which each binding launches as it launches the
-``triton`` backend's (moe_torch: triton's C launcher; moe_jax: ``jax_triton`` calls before the callback): SonicMoE's
+``triton`` backend's (moe_torch: triton's C launcher; moe_jax: Triton custom calls before the callback): SonicMoE's
 own routing step cost 0.14-0.24 ms of host time per call on the H200, three Python-launched Triton kernels. The
 steps after it are those of SonicMoE's fixed-top-k layer (``sonicmoe.functional``): the gate/up grouped GEMM with the
 token gather and the gated activation fused, the down grouped GEMM, and a per-token weighted sum over the k slots

@@ -5,7 +5,7 @@
 What a ``sonicmoe`` call pays before and after its kernels, piece by piece, each call timed from the call to its
 result being ready (median), as the benchmark's ``ms`` column times a JAX call: a jitted ``x + 1``; a jitted
 ``buffer_callback`` that does nothing; the same callback viewing its buffers with torch on XLA's stream; the shared
-routing kernels alone (``jax_triton``, qwen3-30b-a3b at T=4096; left out where jax-triton is not installed); and
+routing kernels alone (qwen3-30b-a3b at T=4096; left out where triton is not installed); and
 torch's ``x + 1`` with a synchronize. Then the same for a call that keeps the GPU busy for about 0.6 ms, a bf16
 matmul [4096, 2048] @ [2048, 24576]: XLA's own dot, torch's with a synchronize, and torch's inside a
 ``buffer_callback`` through ``torch_bridge.graphed_callback`` (its CUDA graph replayed, as a ``sonicmoe`` call's
@@ -69,14 +69,14 @@ def main():
     }
     try:
         from moe_jax.backends import sonicmoe as jax_sonic
-        import jax_triton  # noqa: F401
+        import triton  # noqa: F401
     except ImportError as err:
-        skipped = {"jax routing kernels (jax_triton)": f"not measured: {err}"}
+        skipped = {"jax routing kernels": f"not measured: {err}"}
     else:
         skipped = {}
         ids = jax.random.randint(jax.random.key(0), (4096, 8), 0, 128, jnp.int32)
         w = jax.random.uniform(jax.random.key(1), (4096, 8), jnp.float32)
-        series["jax routing kernels (jax_triton)"] = (jax.jit(lambda ids, w: jax_sonic._routing(ids, w, 128)), (ids, w))
+        series["jax routing kernels"] = (jax.jit(lambda ids, w: jax_sonic._routing(ids, w, 128)), (ids, w))
     a = jax.random.normal(jax.random.key(2), (4096, 2048), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(3), (2048, 24576), jnp.bfloat16)
     product = jax.ShapeDtypeStruct((4096, 24576), jnp.bfloat16)

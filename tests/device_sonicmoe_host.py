@@ -167,7 +167,7 @@ def timeline(torch, call, wait, sets: int, calls: int, path: Path) -> dict:
 def routing_apart(jax, jax_sonic, sonic_steps, jax_sets, n_sets: int, calls: int = 30) -> dict:
     """The JAX forward timed alone as the backend runs it (routing kernels and callback in one jitted call), and
     as two jitted calls: the routing alone, and the callback alone on routing made once (so its call has no
-    jax_triton custom call in it). Median ms to the result, and to the call's return."""
+    Triton custom call in it). Median ms to the result, and to the call's return."""
     from jax.experimental.buffer_callback import buffer_callback
     x, ids, w, gate_up, down = jax_sets[0]
     E, H, I = down.shape

@@ -6,7 +6,6 @@ real kernels: tests/device_sonicmoe_check.py.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -281,41 +280,13 @@ def test_unavailable_on_cpu_with_reasons(monkeypatch):
         jax_sonic.runtime("cpu")
 
 
-def test_jax_backend_needs_jax_triton_for_the_routing_kernels(monkeypatch):
+def test_jax_backend_needs_triton_for_the_routing_kernels(monkeypatch):
     monkeypatch.setattr(jax_sonic, "_READY", {})
     monkeypatch.setattr(jax_sonic, "device_class", lambda platform: "cuda")  # past the device check
-    monkeypatch.setitem(sys.modules, "jax_triton", None)
-    with pytest.raises(ImportError, match=r"implementation 'sonicmoe' needs the package 'jax_triton': "
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(ImportError, match=r"implementation 'sonicmoe' needs the package 'triton': "
                                           r"pip install 'moe-experts\[gpu\]'"):
         jax_sonic.runtime("cpu")
-
-
-@pytest.mark.parametrize("cache_dir", [None, "/somewhere/triton-cache"])
-@pytest.mark.parametrize("backend", ["triton", "sonicmoe"])
-def test_jax_triton_import_keeps_the_triton_cache_dir(backend, cache_dir, monkeypatch, tmp_path):
-    """jax-triton 0.3.1 sets TRITON_CACHE_DIR="" on import; left so, quack's autotune disk cache raised under JAX
-    sonicmoe on the H200 ("Could not create or locate cache dir")."""
-    (tmp_path / "jax_triton.py").write_text('import os\nos.environ["TRITON_CACHE_DIR"] = ""\n')
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(sys.modules, "jax_triton", None)  # so the stand-in leaves sys.modules after the test
-    del sys.modules["jax_triton"]
-    if cache_dir is None:
-        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    else:
-        monkeypatch.setenv("TRITON_CACHE_DIR", cache_dir)
-    monkeypatch.setattr(jax_sonic, "_READY", {})
-    monkeypatch.setattr(jax_sonic, "device_class", lambda platform: "cuda")
-    monkeypatch.setattr(jax, "devices", lambda platform: [SimpleNamespace(compute_capability="9.0",
-                                                                          device_kind="NVIDIA H200")])
-    monkeypatch.setattr(jax_triton_backend, "_jax_triton", jax_triton_backend._jax_triton.__wrapped__)
-    if backend == "triton":
-        module = jax_triton_backend._jax_triton()
-    else:
-        with pytest.raises(ImportError, match="'sonicmoe'"):  # jax_triton imported; SonicMoE itself is absent here
-            jax_sonic.runtime("cpu")
-        module = sys.modules["jax_triton"]
-    assert module.__file__ == str(tmp_path / "jax_triton.py")
-    assert os.environ.get("TRITON_CACHE_DIR") == cache_dir
 
 
 def test_jax_backend_never_imports_torch_until_called():

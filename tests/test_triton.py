@@ -401,8 +401,8 @@ def test_unavailable_on_cpu_with_reasons():
     assert moe_torch.available_backends("cpu")["triton"] == (
         "implementation 'triton' runs on ['cuda'], got a tensor on cpu")
     reason = moe_jax.available_backends("cpu")["triton"]
-    expected = ("implementation 'triton' needs the package 'jax_triton': pip install 'moe-experts[gpu]'"
-                if importlib.util.find_spec("jax_triton") is None else
+    expected = ("implementation 'triton' needs the package 'triton': pip install 'moe-experts[gpu]'"
+                if importlib.util.find_spec("triton") is None else
                 "implementation 'triton' runs on ['cuda'], got the cpu platform")
     assert reason == expected
     arrays = to_torch(random_case(12, T=4, H=8, I=4, E=3, k=2, bias=False)[0], "float32")
@@ -623,8 +623,8 @@ def test_tensor_descriptors_need_a_layout_that_fits():
 
 
 def test_jax_binding_reads_weights_through_descriptors_when_its_launcher_gives_scratch():
-    """A launcher without global scratch (jax_triton's) gets pointer loads; one with it (the default), the
-    descriptor loads, with the same bits."""
+    """A launcher without global scratch gets pointer loads; one with it (the default), the descriptor loads, with
+    the same bits."""
     arrays, grad_output = random_case(11, T=24, H=32, I=16, E=3, k=2, bias=False)
     shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
     values = to_jax(arrays, "bfloat16")
@@ -634,7 +634,6 @@ def test_jax_binding_reads_weights_through_descriptors_when_its_launcher_gives_s
                                                 values["gate_up_proj"], values["down_proj"], None, None, "silu")
         return {s.constants["B_DESC"] for s in plans.forward_plan(problem).steps if s.kernel == "grouped_gemm_kernel"}
 
-    assert jax_triton_backend.JAX_TRITON_LAUNCHER.tensor_descriptors is False
     assert jax_triton_backend.XLA_LAUNCHER.tensor_descriptors is True
     with_scratch = jax_triton_backend.Launcher(triton_interpreter.jax_interpreter_launch, tensor_descriptors=True)
     try:

@@ -80,8 +80,8 @@ def test_compiled_for_the_h200_the_descriptor_steps_need_scratch_and_no_other(tm
     """Compiled for compute capability 9.0 with triton's own ptxas, outside the interpreter (a subprocess)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(QWEN3_T4096.__dict__)], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(QWEN3_T4096.__dict__)], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     gemms = [f for f in found if f["kernel"] == "grouped_gemm_kernel"]

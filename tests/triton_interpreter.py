@@ -52,7 +52,7 @@ interpreter._patch_lang_tensor = _patch_tensor_with_scalar_index
 
 def jax_interpreter_launch(kernel, step, args, out_shapes):
     """A moe_jax.backends.triton launcher that runs a plan step under the Triton interpreter on the host
-    (``jax.pure_callback``): the same kernel, constants and grid as ``jax_triton.triton_call`` would launch."""
+    (``jax.pure_callback``): the same kernel, constants and grid as its default launcher would launch."""
     import jax
     import torch
 

@@ -1,7 +1,7 @@
 """sonicmoe (JAX): SonicMoE's kernels, the ones moe_torch's ``sonicmoe`` runs, from JAX, forward and backward.
 
 The routing metadata comes from the shared Triton kernels (``moe_shared.sonic_steps.routing_plan``, launched with
-``jax_triton`` as the ``triton`` backend launches them); then the forward and the backward are one
+jaxlib's Triton launcher as the ``triton`` backend launches them); then the forward and the backward are one
 ``jax.experimental.buffer_callback`` each, on XLA's stream: the callback views XLA's buffers with DLPack (no copies)
 and runs ``moe_shared.sonic_steps`` (the same composition of SonicMoE's steps as moe_torch, on the same buffer
 tables) with torch's current stream set to XLA's (``moe_jax.torch_bridge``). Every buffer, scratch included, is an
@@ -42,7 +42,7 @@ def runtime(platform: str) -> SimpleNamespace:
             raise RuntimeError(f"implementation {NAME!r} runs on {list(SUPPORT.devices)}, got the {platform} platform")
         device = jax.devices(platform)[0]
         requirements.import_required(NAME, SUPPORT.requires, "torch")
-        triton_kernels.import_jax_triton(NAME, SUPPORT.requires)
+        requirements.import_required(NAME, SUPPORT.requires, "triton")  # the shared routing kernels
         module = requirements.load_cuda_package(NAME, SUPPORT.requires, PACKAGE,
                                                 version_tuple(device.compute_capability)[:2],
                                                 f"the {platform} platform ({device.device_kind})")

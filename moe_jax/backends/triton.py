@@ -2,18 +2,17 @@
 
 Each step of the shared launch plans (``moe_shared.kernels.plan``) is one custom call into jaxlib's Triton launcher
 on XLA's stream (``moe_jax.triton_call``, which gives the kernels the global scratch their tensor descriptors need);
-the forward, the input gradients and the weight gradients are separate calls inside one ``jax.custom_vjp``. Works under ``jax.jit``; every size is static there, so the plan (grids,
-tile configs) is fixed when the program is traced.
+the forward, the input gradients and the weight gradients are separate calls inside one ``jax.custom_vjp``. Works
+under ``jax.jit``; every size is static there, so the plan (grids, tile configs) is fixed when the program is
+traced.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cache, partial
-from types import ModuleType
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -34,30 +33,6 @@ class Launcher:
     tensor_descriptors: bool = False
 
 
-def import_jax_triton(backend: str, requires) -> ModuleType:
-    """``jax_triton`` for ``backend``'s kernels, with ``TRITON_CACHE_DIR`` left as it was: jax-triton 0.3.1 sets it
-    to "" on import, which turns triton's compile cache off and makes quack's autotune disk cache raise."""
-    saved = os.environ.get("TRITON_CACHE_DIR")
-    try:
-        return requirements.import_required(backend, requires, "jax_triton")
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_CACHE_DIR", None)
-        else:
-            os.environ["TRITON_CACHE_DIR"] = saved
-
-
-@cache
-def _jax_triton() -> ModuleType:
-    return import_jax_triton(NAME, SUPPORT.requires)
-
-
-def _jax_triton_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
-    return _jax_triton().triton_call(
-        *args, kernel=kernel, out_shape=out_shapes, grid=(step.grid,), num_warps=step.num_warps,
-        num_stages=step.num_stages, zeroed_outputs=step.zeroed, **step.constants)
-
-
 def _xla_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
     from moe_jax import triton_call
     return triton_call.launch(kernel, step.grid, args, out_shapes, dict(step.constants), num_warps=step.num_warps,
@@ -65,10 +40,10 @@ def _xla_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
 
 
 XLA_LAUNCHER = Launcher(_xla_launch, tensor_descriptors=True)
-"""jaxlib's Triton launcher called directly (``moe_jax.triton_call``): kernels get their global scratch."""
-JAX_TRITON_LAUNCHER = Launcher(_jax_triton_launch, tensor_descriptors=False)
-"""``jax_triton.triton_call``: jaxlib 0.11.2 passes a null global-scratch pointer there, so a kernel building a
-tensor descriptor faults (an illegal address on the H200, tests/device_results/nvidia-h200-triton-descriptors.json)."""
+"""Each step a custom call into jaxlib's Triton launcher (``moe_jax.triton_call``), the kernels given their global
+scratch. (jax_triton's ``triton_call`` gives them a null pointer there: a kernel building a tensor descriptor
+faults, tests/device_results/nvidia-h200-triton-descriptors.json, and the pointer loads it leaves cost up to 12%,
+mixtral-8x7b T=4096 forward, tests/device_results/nvidia-h100-triton-launchers.json.)"""
 
 _launcher: Launcher = XLA_LAUNCHER
 
@@ -87,7 +62,8 @@ def use_launcher(launcher: Launcher | Callable) -> Iterator[None]:
 
 
 def _kernels():
-    from moe_shared.kernels import moe  # imports triton
+    requirements.import_required(NAME, SUPPORT.requires, "triton")
+    from moe_shared.kernels import moe
     return moe
 
 

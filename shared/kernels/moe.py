@@ -7,8 +7,8 @@ never given a sorted row, never read and never written (except by the sort with 
 kernels, which cannot skip a slot: there it takes a row of expert 0 at the routing weight 0).
 
 Every kernel takes its arrays first (inputs, then run-time scalars, then outputs) and its tile sizes and shape
-constants as ``tl.constexpr`` keywords, the calling convention of ``jax_triton.triton_call``; the torch binding calls
-them the same way. None uses atomics except ``grouped_gemm_kernel`` with ``ACCUMULATE`` (the non-deterministic
+constants as ``tl.constexpr`` keywords; both bindings call them that way (moe_jax's launcher passes the outputs as
+the custom call's result buffers, in that order). None uses atomics except ``grouped_gemm_kernel`` with ``ACCUMULATE`` (the non-deterministic
 combine), so the same inputs give the same bits on every run and in both frameworks.
 """
 
