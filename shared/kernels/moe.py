@@ -8,8 +8,9 @@ kernels, which cannot skip a slot: there it takes a row of expert 0 at the routi
 
 Every kernel takes its arrays first (inputs, then run-time scalars, then outputs) and its tile sizes and shape
 constants as ``tl.constexpr`` keywords; both bindings call them that way (moe_jax's launcher passes the outputs as
-the custom call's result buffers, in that order). None uses atomics except ``grouped_gemm_kernel`` with ``ACCUMULATE`` (the non-deterministic
-combine), so the same inputs give the same bits on every run and in both frameworks.
+the custom call's result buffers, in that order). None uses atomics except ``grouped_gemm_kernel`` with
+``ACCUMULATE`` (the non-deterministic combine), so the same inputs give the same bits on every run and in both
+frameworks.
 """
 
 import triton
