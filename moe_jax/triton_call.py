@@ -27,6 +27,7 @@ import numpy as np
 
 TARGET = "triton_kernel_call"  # jaxlib's custom-call target for Triton kernels (legacy API, version 2)
 POINTER_DIVISIBILITY = 16  # bytes: every array argument is specialised as 16-byte aligned (XLA's buffers are)
+HIDDEN_PARAMETERS = 2  # pointers triton (3.5 on) appends to a kernel's parameters: global scratch, profile scratch
 
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
                  "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint16": "u16", "uint32": "u32",
@@ -98,9 +99,21 @@ def compile_kernel(kernel, types: tuple, constants: tuple, num_warps: int, num_s
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                               target=GPUTarget("cuda", capability, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    meta = compiled.metadata
-    return Compiled(meta.name, compiled.asm["ptx"], meta.shared, meta.global_scratch_size,
-                    meta.global_scratch_align)
+    meta, ptx = compiled.metadata, compiled.asm["ptx"]
+    own = sum(kind != 1 for kind in types)
+    declared = entry_parameters(ptx)
+    if declared != own + HIDDEN_PARAMETERS:
+        raise RuntimeError(
+            f"{kernel.__name__}: triton {triton.__version__} compiled {declared} parameters for {own} arguments; "
+            f"moe_jax.triton_call passes the global scratch as parameter {own} of {own + HIDDEN_PARAMETERS} "
+            f"(triton 3.5-3.6's calling convention)")
+    return Compiled(meta.name, ptx, meta.shared, meta.global_scratch_size, meta.global_scratch_align)
+
+
+def entry_parameters(ptx: str) -> int:
+    """How many parameters the kernel entry of ``ptx`` declares."""
+    start = ptx.index(".entry")
+    return ptx[start:ptx.index(")", start)].count(".param")
 
 
 @cache

@@ -35,6 +35,33 @@ def test_argument_types_follow_triton_s_launch():
         triton_call.argument_type(jnp.zeros(2, jnp.complex64))
 
 
+def test_entry_parameters_counts_the_kernel_s_declared_parameters():
+    ptx = """.visible .entry k(
+\t.param .u64 .ptr .global .align 1 k_param_0,
+\t.param .u32 k_param_1,
+\t.param .u64 .ptr .global .align 1 k_param_2
+)
+{ .param .b32 retval; }"""
+    assert triton_call.entry_parameters(ptx) == 3
+
+
+def test_a_changed_calling_convention_is_refused(monkeypatch):
+    """Where triton would append other hidden parameters, the scratch would land in the wrong one: refused."""
+    import triton
+    compiled = type("Compiled", (), {"metadata": type("Meta", (), dict(name="k", shared=0, global_scratch_size=0,
+                                                                      global_scratch_align=1)),
+                                     "asm": {"ptx": ".entry k(.param .u64 a, .param .u64 b)"}})
+    monkeypatch.setattr(triton, "compile", lambda *a, **k: compiled)
+
+    @triton.jit
+    def one_pointer(p):
+        pass
+
+    with pytest.raises(RuntimeError, match=r"compiled 2 parameters for 1 arguments; moe_jax.triton_call passes the "
+                                           r"global scratch as parameter 1 of 3"):
+        triton_call.compile_kernel.__wrapped__(one_pointer, ("*bf16",), (), 4, 1, 90)
+
+
 def test_signature_takes_defaults_specialises_pointers_and_ones():
     step = plans.forward_plan(QWEN3_T4096).steps[0]  # the routing histogram: (ids, S) -> hist
     types = ("*i32", "i32", "*i32")
