@@ -31,7 +31,7 @@ HIDDEN_PARAMETERS = 2  # pointers triton (3.5 on) appends to a kernel's paramete
 
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
                  "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint16": "u16", "uint32": "u32",
-                 "bool": "i1"}
+                 "bool": "i1"}  # array element types
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ def argument_type(arg) -> str | int:
     """Triton's signature type of a kernel argument: ``*bf16`` etc. for an array (or its ShapeDtypeStruct),
     ``i32``/``i64`` for an integer, and the integer 1 itself, which triton's launch specialises as a constant."""
     if isinstance(arg, bool):
-        return "i1"
+        raise TypeError("Triton kernel argument: expected an array or an integer, got a bool (pass a flag as a "
+                        "constexpr keyword)")
     if isinstance(arg, int):
         if arg == 1:
             return 1

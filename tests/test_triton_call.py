@@ -33,6 +33,8 @@ def test_argument_types_follow_triton_s_launch():
     assert triton_call.argument_type(1) == 1  # specialised as a constant, as triton's launch does
     with pytest.raises(TypeError, match=r"expected an array of one of .*, got complex64"):
         triton_call.argument_type(jnp.zeros(2, jnp.complex64))
+    with pytest.raises(TypeError, match=r"expected an array or an integer, got a bool"):
+        triton_call.argument_type(True)
 
 
 def test_entry_parameters_counts_the_kernel_s_declared_parameters():
