@@ -29,11 +29,6 @@ TARGET = "triton_kernel_call"  # jaxlib's custom-call target for Triton kernels 
 POINTER_DIVISIBILITY = 16  # bytes: every array argument is specialised as 16-byte aligned (XLA's buffers are)
 HIDDEN_PARAMETERS = 2  # pointers triton (3.5 on) appends to a kernel's parameters: global scratch, profile scratch
 
-_TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
-                 "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint16": "u16", "uint32": "u32",
-                 "bool": "i1"}  # array element types
-
-
 @dataclass(frozen=True)
 class Compiled:
     name: str
@@ -53,10 +48,11 @@ def argument_type(arg) -> str | int:
         if arg == 1:
             return 1
         return "i32" if -2**31 <= arg < 2**31 else "i64"
+    from triton.runtime.jit import type_canonicalisation_dict as triton_types  # numpy dtype names included
     name = jnp.dtype(arg.dtype).name
-    if name not in _TRITON_TYPES:
-        raise TypeError(f"Triton kernel argument: expected an array of one of {sorted(_TRITON_TYPES)}, got {name}")
-    return "*" + _TRITON_TYPES[name]
+    if name not in triton_types:
+        raise TypeError(f"Triton kernel argument: expected an array of one of {sorted(triton_types)}, got {name}")
+    return "*" + triton_types[name]
 
 
 def triton_signature(kernel, types: tuple, constants: dict) -> tuple[dict, dict, dict]:

@@ -774,14 +774,14 @@ def jax_profile_calls(results):
     record(results, "jax-profile", "a one-element jitted add (JAX's own latency per call)", jax_call_times)
 
 
-def _clock_jax(call, jax):
-    """Single calls (wall, to the result being ready), 20 back to back, and the time to issue one."""
+def _clock(call, wait):
+    """Single calls (wall, to ``wait(result)`` returning), 20 back to back, and the time to issue one."""
     for _ in range(3):
-        jax.block_until_ready(call())
+        wait(call())
     single = []
     for _ in range(10):
         t0 = time.perf_counter()
-        jax.block_until_ready(call())
+        wait(call())
         single.append((time.perf_counter() - t0) * 1e3)
     host, outs = [], []
     t0 = time.perf_counter()
@@ -789,7 +789,7 @@ def _clock_jax(call, jax):
         t1 = time.perf_counter()
         outs.append(call())
         host.append((time.perf_counter() - t1) * 1e3)
-    jax.block_until_ready(outs)
+    wait(outs)
     stream = (time.perf_counter() - t0) * 1e3 / 20
     return {"call_ms_median": round(float(np.median(single)), 4), "stream_ms": round(stream, 4),
             "host_ms_median": round(float(np.median(host)), 4)}
@@ -805,7 +805,7 @@ def jax_call_times(shape=None, T=None, mode=None):
     import torch
     if shape is None:
         one, add = jnp.ones((1,), jnp.float32), jax.jit(lambda a: a + 1)
-        return _clock_jax(lambda: add(one), jax)
+        return _clock(lambda: add(one), jax.block_until_ready)
     (gate_up, down), (x, idx, w, dout) = _point(shape, T)
     arrays = [jax.dlpack.from_dlpack(t.contiguous()) for t in (x, idx.to(torch.int32), w, gate_up, down, dout)]
 
@@ -821,8 +821,8 @@ def jax_call_times(shape=None, T=None, mode=None):
     executable = jitted.lower(*args).compile()
     pick = (lambda r: r) if mode == "fwd" else (lambda r: r[0])
     hlo = executable.as_text()
-    return {"jit": _clock_jax(lambda: pick(jitted(*args)), jax),
-            "executable": _clock_jax(lambda: pick(executable(*args)), jax),
+    return {"jit": _clock(lambda: pick(jitted(*args)), jax.block_until_ready),
+            "executable": _clock(lambda: pick(executable(*args)), jax.block_until_ready),
             "hlo_ops": {op: hlo.count(f" {op}(") for op in ("custom-call", "fusion", "copy", "command_buffer")},
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
@@ -833,23 +833,9 @@ LAUNCHER_POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("qwen3-30b-a3b",
 
 
 def _clock_torch(call):
-    """``_clock_jax``'s figures for a torch call: single calls to the device being done, 20 back to back."""
+    """``_clock`` for a torch call on CUDA: waiting is a device synchronisation."""
     import torch
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    single = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        single.append((time.perf_counter() - t0) * 1e3)
-    t0 = time.perf_counter()
-    outs = [call() for _ in range(20)]
-    torch.cuda.synchronize()
-    del outs
-    return {"call_ms_median": round(float(np.median(single)), 4),
-            "stream_ms": round((time.perf_counter() - t0) * 1e3 / 20, 4)}
+    return _clock(call, lambda result: torch.cuda.synchronize())
 
 
 def torch_call_times(shape, T, mode):
