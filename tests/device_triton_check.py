@@ -8,7 +8,8 @@ tolerance table; torch and JAX outputs and gradients bit-identical; two runs bit
 processes, which also compile in parallel). ``graphs``: CUDA-graph capture and replay in torch; torch.compile
 (fullgraph) in every mode, inference and training; JAX grouped_mm on the Triton kernel; which kernels ran.
 ``steps``: each step of the forward and backward plans timed alone at model shapes, and the GEMM steps under
-variant tiles (``--variant-kinds``). ``descriptors``: TMA weight loads against pointer loads, torch and JAX.
+variant tiles (``--variant-kinds``). ``descriptors``: TMA weight and row loads against pointer loads, torch and
+JAX.
 ``tails``: short tiles for the experts' last blocks (SHORT_TAILS) against the reference, torch vs JAX.
 ``profile``: the public call timed as the benchmark does and under torch.profiler (each kernel's time per call);
 ``host``: where the host's time per torch call goes (cProfile). ``launch``: cached kernels launched through
@@ -29,6 +30,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -479,6 +481,12 @@ WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 
                        *(C(*c, TMA=True) for c in ((64, 128, 128, 8, 3), (64, 128, 128, 8, 4), (32, 128, 128, 8, 4),
                                                    (16, 128, 128, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
                                                    (128, 128, 64, 8, 3), (128, 128, 128, 8, 2)))]
+# both operands through tensor descriptors: the row tiles (A_TMA; at inference the gate/up GEMM then reads x gathered
+# into sorted order by a step before it, whose time is added to its own) and the weight tiles
+ROW_TMA_STEP_VARIANTS = [C(*c, TMA=True, WARP_SPECIALIZE=ws, SHORT_TAILS=1, A_TMA=True) for c, ws in (
+    ((128, 128, 64, 8, 3, 8), False), ((128, 128, 64, 8, 4, 8), False), ((128, 256, 64, 8, 3, 8), False),
+    ((128, 128, 64, 8, 3, 8), True), ((128, 256, 64, 8, 3, 8), True), ((64, 128, 64, 4, 4, 8), False),
+    ((64, 256, 64, 8, 3, 8), False), ((128, 128, 128, 8, 3, 8), False), ((64, 128, 128, 8, 3, 8), False))]
 # Persistent weight-gradient programs (132, 264 or 396 programs, one flat loop over their tiles' row steps) were
 # slower than one program per tile for every step and shape (tests/device_results/nvidia-h200-triton-steps-wgrad-
 # persistent.json), so the kernel has no such mode.
@@ -492,6 +500,9 @@ VARIANTS = {
     "gemm": (("grouped_gemm_kernel",), lambda own: STEP_VARIANTS, (VARIANT_TOKENS,)),
     "wgrad": (("grouped_wgrad_kernel",), lambda own: WGRAD_STEP_VARIANTS, (VARIANT_TOKENS,)),
     # the step's own config with shorter tiles for the experts' last blocks (0: as it is, timed in the same run)
+    # the step's own config with its row tiles through tensor descriptors, then ROW_TMA_STEP_VARIANTS
+    "rows": (("grouped_gemm_kernel",), lambda own: [replace(own, TMA=True, A_TMA=True), *ROW_TMA_STEP_VARIANTS],
+             None),
     "tails": (("grouped_gemm_kernel",), lambda own: [replace(own, SHORT_TAILS=n) for n in range(4)], None),
     "decode": (("decode_gate_up_kernel", "decode_down_combine_kernel"), lambda own: [own, *DECODE_STEP_VARIANTS],
                None),
@@ -561,16 +572,24 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
             runs = {"fwd": lambda: backend.run_plan(_forward_with_decode_limit(problem, 0), dict(base)),
                     "bwd": lambda: backend.run_plan(plans.backward_plan(problem), dict(training) | {"dout": dout})}
         envs = {which: run() for which, run in runs.items() if which_plans is None or which in which_plans}
+        if "fwd" in envs:  # for the gate/up variants that read x in sorted order
+            envs["fwd"].setdefault("x_sorted", training["x_sorted"])
         for which in envs:
-            def measure(label, step, env=envs[which]):
+            def measure(label, step, env=envs[which], plan=None):
                 ms = do_bench(launcher(step, env), warmup=5, rep=40)
                 flops = _step_flops(step, routed)
                 c = step.constants
-                return {"shape": shape, "T": T, "plan": which, "step": label, "ms": round(ms, 4),
-                        "tflops": round(flops / ms / 1e9, 1) if flops else None,
-                        "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
-                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC", c.get("DESC")),
-                                   c.get("WARP_SPECIALIZE"), c.get("SHORT_TAILS")]}
+                out = {"shape": shape, "T": T, "plan": which, "step": label, "ms": round(ms, 4),
+                       "tflops": round(flops / ms / 1e9, 1) if flops else None,
+                       "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
+                                  step.num_stages, c.get("GROUP_M"), c.get("B_DESC", c.get("DESC")),
+                                  c.get("WARP_SPECIALIZE"), c.get("SHORT_TAILS"), c.get("A_DESC")]}
+                gathers = [g for g in (plan.steps if plan else ()) if g.kernel == "gather_rows_kernel"
+                           and g.outputs[0].name == step.inputs[0]]
+                if gathers:  # a gather this plan adds for this step alone: its time is the step's too
+                    out["gather_ms"] = round(do_bench(launcher(gathers[0], env), warmup=5, rep=40), 4)
+                    out["ms"] = round(ms + out["gather_ms"], 4)
+                return out
 
             plan, labelled = _labelled_steps(problem, which)
             record(results, "steps", f"{shape} T={T} {which}",
@@ -589,9 +608,10 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
                         plans.OVERRIDES.clear()
                         plans.OVERRIDES[key] = v
                         plans.clear_caches()
-                        step = dict(_labelled_steps(problem, which)[1])[label]
+                        plan, labelled_now = _labelled_steps(problem, which)
+                        step = dict(labelled_now)[label]
                         try:
-                            out.append(m(label, step))
+                            out.append(m(label, step, plan=plan if which == "fwd" else None))
                         except Exception as err:
                             out.append({"config": list(v.__dict__.values()), "error": str(err)[:200]})
                     plans.OVERRIDES.clear()
@@ -617,7 +637,8 @@ STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("d
              "dgrad_down": lambda H, I: ("dgrad_down", I, H), "dgrad_up": lambda H, I: ("dgrad_up", H, 2 * I),
              "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H),
              "decode_gate_up": lambda H, I: ("decode", I, H), "decode_down": lambda H, I: ("decode", H, I)}
-CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS")
+CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS",
+                 "A_TMA")
 
 
 MERGE_MARGIN = 0.05  # a variant replaces the step's own config only when this much faster (run-to-run noise)
@@ -652,8 +673,9 @@ def merge_step_variants(result_files, table_path: Path) -> list[dict]:
             continue
         config = dict(zip(CONFIG_FIELDS, t["config"]))
         config = {f: v for f, v in config.items() if v is not None}
-        if "TMA" in config:
-            config["TMA"] = bool(config["TMA"])
+        for flag in ("TMA", "A_TMA"):
+            if flag in config:
+                config[flag] = bool(config[flag])
         written.append({"kernel": kernel, "N": N, "K": K, "E": E, "slots": slots, "config": config, "ms": t["ms"],
                         "timed": "step alone", "source": t["source"]})
     table = json.loads(table_path.read_text())
@@ -983,10 +1005,16 @@ def tail_checks(results):
 
 # --- weight tiles through tensor descriptors ------------------------------------------------------------------
 
+def _both_ways(run):
+    """A vector runner's training result and its inference output (as "inference")."""
+    return lambda case: run(case) | {"inference": run(case, training=False)["out"]}
+
+
 def descriptor_checks(results):
-    """The grouped GEMMs with TMA weight loads (forward and backward, both weight layouts) and the weight gradients
-    with TMA row loads, against the pointer loads on the same inputs: the same bits in torch; and in JAX, through
-    its default launcher (jaxlib's, with the kernels' global scratch), the bits of torch and of pointer loads."""
+    """The grouped GEMMs with TMA loads of the weight and row tiles (forward, backward and inference) and the weight
+    gradients with TMA row loads, against the pointer loads on the same inputs: the same bits in torch; and in JAX,
+    through its default launcher (jaxlib's, with the kernels' global scratch), the bits of torch and of pointer
+    loads."""
     import jax
     import torch
     from moe_jax.backends import triton as jax_backend
@@ -998,34 +1026,37 @@ def descriptor_checks(results):
     def configure(tma):
         plans.OVERRIDES.clear()
         for kernel, N, K in shapes:
-            plans.OVERRIDES[kernel, N, K, 8] = C(64, 64, 64, 4, 3, 1, tma)
+            plans.OVERRIDES[kernel, N, K, 8] = C(64, 64, 64, 4, 3, 1, tma, A_TMA=tma)
         plans.clear_caches()
 
     case = type("Case", (), {"inputs": arrays, "grad_output": grad_output, "dtype": "bfloat16",
                              "activation": "silu"})
+    torch_run, jax_run = _both_ways(torch_vector), _both_ways(jax_vector)
 
     def torch_bits():
         configure(False)
-        plain = torch_vector(case)
+        plain = torch_run(case)
         configure(True)
-        described = torch_vector(case)
+        described = torch_run(case)
         x, ids, gate_up, down = (torch.empty(s, device="cuda", dtype=torch.bfloat16)
                                  for s in ((300, 256), (300, 2), (8, 256, 256), (8, 256, 128)))
         problem = torch_backend.problem_of(x, ids, gate_up, down, None, None, "silu")
-        steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
-        codes = ([st.constants["B_DESC"] for st in steps if st.kernel == "grouped_gemm_kernel"]
+        steps = (plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
+                 + plans.forward_plan(problem).steps)
+        codes = ([(st.constants["B_DESC"], st.constants["A_DESC"]) for st in steps
+                  if st.kernel == "grouped_gemm_kernel"]
                  + [st.constants["DESC"] for st in steps if st.kernel == "grouped_wgrad_kernel"])
         same = all(np.array_equal(plain[n], described[n]) for n in plain)
-        if not same or not all(codes):
+        if not same or not all(all(c) if isinstance(c, tuple) else c for c in codes):
             raise AssertionError({"same": same, "codes": codes})
-        return {"identical_to_pointer_loads": same, "B_DESC": codes}
+        return {"identical_to_pointer_loads": same, "codes": codes}
 
     def jax_bits():
         configure(True)
-        described = jax_vector(case)  # the default launcher gives the kernels their global scratch
+        described = jax_run(case)  # the default launcher gives the kernels their global scratch
         with jax_backend.use_launcher(replace(jax_backend.XLA_LAUNCHER, tensor_descriptors=False)):
-            plain = jax_vector(case)
-        want = torch_vector(case)
+            plain = jax_run(case)
+        want = torch_run(case)
         same = {n: bool(np.array_equal(want[n], described[n])) for n in want}
         same_as_pointers = all(np.array_equal(plain[n], described[n]) for n in plain)
         if not all(same.values()) or not same_as_pointers:
@@ -1033,8 +1064,9 @@ def descriptor_checks(results):
         return {"identical_to_torch": True, "identical_to_pointer_loads": True, "jaxlib": jax.__version__}
 
     try:
-        record(results, "descriptors", "torch: TMA weight loads vs pointer loads", torch_bits)
-        record(results, "descriptors", "jax: TMA weight loads (XLA_LAUNCHER, global scratch) vs torch", jax_bits)
+        record(results, "descriptors", "torch: TMA weight and row loads vs pointer loads", torch_bits)
+        record(results, "descriptors", "jax: TMA weight and row loads (XLA_LAUNCHER, global scratch) vs torch",
+               jax_bits)
     finally:
         plans.OVERRIDES.clear()
         plans.clear_caches()
@@ -1182,16 +1214,20 @@ def main():
     meta = {"torch": torch.__version__, "triton": __import__("triton").__version__,
             "jax": __import__("jax").__version__, "device": torch.cuda.get_device_name()}
     started = time.perf_counter()
-    for part, run in PARTS.items():  # in this order, whatever the order asked
-        if part in parts:
-            run(results, args)
-    meta["seconds"] = round(time.perf_counter() - started, 1)
-    summary = {}
-    for r in results:
-        s = summary.setdefault(r["kind"], {"passed": 0, "failed": 0})
-        s["passed" if r["ok"] else "failed"] += 1
-    (args.out / f"triton-{'-'.join(parts)}.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1, default=str))
+    # a run stopped by SIGTERM (a `timeout` around it) still writes what it measured
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped by SIGTERM after {len(results)} results"))
+    try:
+        for part, run in PARTS.items():  # in this order, whatever the order asked
+            if part in parts:
+                run(results, args)
+    finally:
+        meta["seconds"] = round(time.perf_counter() - started, 1)
+        summary = {}
+        for r in results:
+            s = summary.setdefault(r["kind"], {"passed": 0, "failed": 0})
+            s["passed" if r["ok"] else "failed"] += 1
+        (args.out / f"triton-{'-'.join(parts)}.json").write_text(
+            json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1, default=str))
     print(json.dumps(meta))
     for kind, s in summary.items():
         print(f"{kind:20s} passed {s['passed']:4d} failed {s['failed']:4d}")

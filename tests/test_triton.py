@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -115,7 +116,7 @@ def test_plans_pick_the_decode_kernels_for_few_slots_at_inference_only():
     few = _problem(T=4)  # 8 slots
     assert names(plans.forward_plan(few)) == ["decode_gate_up_kernel", "decode_down_combine_kernel"]
     assert names(plans.forward_plan(few, training=True)) == [
-        "route_sort_kernel", "grouped_gemm_kernel", "grouped_gemm_kernel", "combine_kernel"]
+        "route_sort_kernel", "gather_rows_kernel", "grouped_gemm_kernel", "grouped_gemm_kernel", "combine_kernel"]
     many = _problem(T=2048)  # 4096 slots: several routing chunks
     assert names(plans.forward_plan(many)) == [
         "route_histogram_kernel", "route_sort_kernel", "grouped_gemm_kernel", "grouped_gemm_kernel", "combine_kernel"]
@@ -240,20 +241,26 @@ def test_short_tails_keep_tiles_of_at_least_16_rows():
     assert plans._short_tails(plans.TileConfig(BM=128, SHORT_TAILS=1)) == 1
 
 
-def test_backward_gemms_read_sorted_rows():
-    """The backward gathers w * dout and x into sorted order once (gather_rows_kernel), so its GEMMs load plain
-    row tiles: no gather or scale inside their loops."""
+def test_training_gemms_read_sorted_rows():
+    """The training forward gathers x into sorted order (kept for the backward) and the backward gathers w * dout
+    (gather_rows_kernel), so every training GEMM loads plain row tiles: no gather or scale inside their
+    loops. At inference the gate/up GEMM gathers its tokens itself (pointer loads)."""
     arrays, _ = random_case(3, T=16, H=32, I=16, E=4, k=2, bias=False)
     ts = to_torch(arrays, "bfloat16")
     problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
                                               ts["down_proj"], None, None, "silu")
-    steps = plans.backward_plan(problem).steps
+    forward = plans.forward_plan(problem, training=True)
+    steps = forward.steps + plans.backward_plan(problem).steps
     gathers = {s.outputs[0].name: s.constants["SCALE"] for s in steps if s.kernel == "gather_rows_kernel"}
-    assert gathers == {"dout_sorted": True, "x_sorted": False}
+    assert gathers == {"x_sorted": False, "dout_sorted": True}
+    assert "x_sorted" in forward.residuals
     gemms = [s for s in steps if s.kernel == "grouped_gemm_kernel"]
-    assert not any(s.constants["A_BY_TOKEN"] for s in gemms)
+    assert not any(s.constants["A_BY_TOKEN"] for s in gemms) and gemms[0].inputs[0] == "x_sorted"
     wgrads = [s for s in steps if s.kernel == "grouped_wgrad_kernel"]
     assert [s.inputs[:2] for s in wgrads] == [("dout_sorted", "act"), ("dpreact", "x_sorted")]
+    inference = plans.forward_plan(replace(problem, T=64))  # past the decode kernels
+    assert [s.constants["A_BY_TOKEN"] for s in inference.steps if s.kernel == "grouped_gemm_kernel"] == [True, False]
+    assert "gather_rows_kernel" not in [s.kernel for s in inference.steps]
 
 
 def test_strided_weights_are_read_in_place():
@@ -560,7 +567,9 @@ def test_triton_launch_hooks_keep_triton_s_launch_wrapper():
 
 def _described_run(arrays, grad_output, transposed: bool):
     """Output and gradients through the torch binding, weights stored as given or transposed ([E, H, 2I] and
-    [E, I, H] storage viewed as the contract's shapes), and the plans' grouped GEMM B_DESC codes."""
+    [E, I, H] storage viewed as the contract's shapes), the inference output, and the descriptor codes of the
+    plans: each grouped GEMM's (B_DESC, A_DESC) (training forward, backward, then inference forward) and each
+    weight gradient's DESC."""
     ts = to_torch(arrays, "bfloat16")
     if transposed:
         for name in ("gate_up_proj", "down_proj"):
@@ -572,18 +581,23 @@ def _described_run(arrays, grad_output, transposed: bool):
     out.backward(torch.from_numpy(np.asarray(grad_output, np.float32)).to(torch.bfloat16))
     result = {"out": out.detach().double().numpy()}
     result |= {n: t.grad.double().numpy() for n, t in ts.items() if n in DIFF_ARGS}
+    with torch.no_grad():
+        result["inference"] = torch_triton_backend.experts_forward(**ts).double().numpy()
     problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
                                               ts["down_proj"], ts["gate_up_bias"], ts["down_bias"], "silu")
-    steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
-    return result, ([s.constants["B_DESC"] for s in steps if s.kernel == "grouped_gemm_kernel"]
+    steps = (plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
+             + plans.forward_plan(problem).steps)
+    return result, ([(s.constants["B_DESC"], s.constants["A_DESC"]) for s in steps if s.kernel == "grouped_gemm_kernel"]
                     + [s.constants["DESC"] for s in steps if s.kernel == "grouped_wgrad_kernel"])
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["weights", "weights-and-rows"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["stored", "transposed"])
-def test_weight_tiles_through_tensor_descriptors_give_the_same_bits(transposed, monkeypatch):
+def test_tiles_through_tensor_descriptors_give_the_same_bits(transposed, rows, monkeypatch):
     """TMA=True loads the weight tiles through tensor descriptors (rows of n where k is contiguous, rows of k where
-    n is), and the weight gradients' whole row steps (the last partial step of each expert through pointers): the
-    same tiles, so the same bits as the masked pointer loads, forward and backward."""
+    n is), and the weight gradients' whole row steps (the last partial step of each expert through pointers);
+    A_TMA=True the grouped GEMMs' row tiles too (at inference the gate/up GEMM then reads x gathered first): the
+    same tiles, so the same bits as the masked pointer loads, forward, backward and inference."""
     arrays, grad_output = random_case(10, T=40, H=32, I=16, E=3, k=2, bias=True, empty_fraction=0.1)
     monkeypatch.setattr(torch_triton_backend, "tensor_descriptors_allowed", lambda *weights: True)
     shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32),
@@ -594,17 +608,19 @@ def test_weight_tiles_through_tensor_descriptors_give_the_same_bits(transposed, 
         plans.clear_caches()
         plain, plain_codes = _described_run(arrays, grad_output, transposed)
         for kernel, N, K in shapes:
-            plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16, TMA=True)
+            plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16, TMA=True, A_TMA=rows)
         plans.clear_caches()
         described, codes = _described_run(arrays, grad_output, transposed)
     finally:
         plans.OVERRIDES.clear()
         plans.clear_caches()
-    k_rows, n_rows = plans.B_K_ROWS, plans.B_N_ROWS
-    assert plain_codes == [plans.B_POINTERS] * 4 + [False] * 2
-    # forward gate_up, down; backward dgrad_down, dgrad_up (the transposed weights swap the orientations); then
-    # both weight gradients
-    assert codes == ([n_rows, n_rows, k_rows, k_rows] if transposed else [k_rows, k_rows, n_rows, n_rows]) + [True] * 2
+    k_rows, n_rows, pointers = plans.B_K_ROWS, plans.B_N_ROWS, plans.B_POINTERS
+    assert plain_codes == [(pointers, False)] * 6 + [False] * 2
+    # training forward gate_up, down; backward dgrad_down, dgrad_up (the transposed weights swap the
+    # orientations); inference gate_up, down; then both weight gradients
+    forward, backward = (n_rows, k_rows) if transposed else (k_rows, n_rows)
+    b_codes = [forward, forward, backward, backward, forward, forward]
+    assert codes == [(b, rows) for b in b_codes] + [True] * 2
     for name in plain:
         np.testing.assert_array_equal(described[name], plain[name], err_msg=name)
 
@@ -622,29 +638,30 @@ def test_tensor_descriptors_need_a_layout_that_fits():
     assert plans._b_descriptor(problem, plans.TileConfig(), (40 * 24, 1, 24), 24)["B_DESC"] == plans.B_POINTERS
 
 
-def test_jax_binding_reads_weights_through_descriptors_when_its_launcher_gives_scratch():
-    """A launcher without global scratch gets pointer loads; one with it (the default), the descriptor loads, with
-    the same bits."""
+def test_jax_binding_reads_tiles_through_descriptors_when_its_launcher_gives_scratch():
+    """A launcher without global scratch gets pointer loads; one with it (the default), the descriptor loads of
+    weight and row tiles, with the same bits."""
     arrays, grad_output = random_case(11, T=24, H=32, I=16, E=3, k=2, bias=False)
     shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
     values = to_jax(arrays, "bfloat16")
 
-    def b_loads():
+    def loads():
         problem = jax_triton_backend.problem_of(values["hidden_states"], values["top_k_index"],
                                                 values["gate_up_proj"], values["down_proj"], None, None, "silu")
-        return {s.constants["B_DESC"] for s in plans.forward_plan(problem).steps if s.kernel == "grouped_gemm_kernel"}
+        return {(s.constants["B_DESC"], s.constants["A_DESC"]) for s in plans.forward_plan(problem).steps
+                if s.kernel == "grouped_gemm_kernel"}
 
     assert jax_triton_backend.XLA_LAUNCHER.tensor_descriptors is True
     with_scratch = jax_triton_backend.Launcher(triton_interpreter.jax_interpreter_launch, tensor_descriptors=True)
     try:
         for kernel, N, K in shapes:
-            plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16, TMA=True)
+            plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16, TMA=True, A_TMA=True)
         plans.clear_caches()
         with jax_triton_backend.use_launcher(with_scratch):
-            assert b_loads() == {plans.B_K_ROWS}
+            assert loads() == {(plans.B_K_ROWS, True)}
             described = jax_run(arrays, "bfloat16", grad_output, launcher=with_scratch)
         with jax_triton_backend.use_launcher(triton_interpreter.jax_interpreter_launch):
-            assert b_loads() == {plans.B_POINTERS}
+            assert loads() == {(plans.B_POINTERS, False)}
         plain = jax_run(arrays, "bfloat16", grad_output)
     finally:
         plans.OVERRIDES.clear()

@@ -160,7 +160,7 @@ def grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_ROWS: tl.constexpr = 0, B_COLS: tl.constexpr = 0,
-    WARP_SPECIALIZE: tl.constexpr = False, SHORT_TAILS: tl.constexpr = 0,
+    WARP_SPECIALIZE: tl.constexpr = False, SHORT_TAILS: tl.constexpr = 0, A_DESC: tl.constexpr = False,
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
@@ -175,8 +175,9 @@ def grouped_gemm_kernel(
     ``B_DESC`` loads the weight tiles through a tensor descriptor (TMA on Hopper) over the weights as one 2-D array,
     ``B_ROWS`` rows per expert of ``B_COLS`` columns: B_K_ROWS when B[e] is stored with k contiguous (stride_bk ==
     1; a row per n), B_N_ROWS with n contiguous (stride_bn == 1; a row per k); B_POINTERS loads them through
-    masked pointers. A descriptor tile may run past N into the next rows or columns: those outputs are never
-    stored; past the array it reads zeros. ``WARP_SPECIALIZE`` asks triton to split the K loop into loading and
+    masked pointers. ``A_DESC`` loads the A tiles of sorted rows (not ``A_BY_TOKEN``) through a tensor descriptor
+    over A as an [S, K] array. A descriptor tile may run past N, K or the expert's rows into the next rows or
+    columns: those outputs are never stored; past the array it reads zeros. ``WARP_SPECIALIZE`` asks triton to split the K loop into loading and
     multiplying warps. ``SHORT_TAILS`` = L lets an expert's last block run a shorter tile, BM >> l rows for the
     smallest l <= L that holds its rows, so its padding rows cost no multiplies (an expert with 130 rows takes a
     128-row tile and a 16-row one with L = 3, not two 128-row tiles).
@@ -203,7 +204,7 @@ def grouped_gemm_kernel(
                 a_ptr, b_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, c_ptr, aux_ptr, e, row0, count, start,
                 n_tile, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm,
                 GATE_OFFSET, A_BY_TOKEN, HAS_BIAS, EPILOGUE, ACTIVATION, STORE_PREACT, C_BY_SLOT, ACCUMULATE,
-                BM >> level, BN, BK, DOT_PRECISION, EVEN_K, B_DESC, B_ROWS, B_COLS, WARP_SPECIALIZE)
+                BM >> level, BN, BK, DOT_PRECISION, EVEN_K, B_DESC, B_ROWS, B_COLS, WARP_SPECIALIZE, A_DESC, S)
 
 
 @triton.jit
@@ -216,6 +217,7 @@ def _grouped_gemm_tile(
     ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     B_DESC: tl.constexpr, B_ROWS: tl.constexpr, B_COLS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    A_DESC: tl.constexpr, S,
 ):
     """One [BM, BN] output tile of ``grouped_gemm_kernel``: rows row0 .. row0 + BM of expert e, N tile n_tile."""
     rows = row0 + tl.arange(0, BM)
@@ -241,6 +243,8 @@ def _grouped_gemm_tile(
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * B_ROWS, B_COLS], strides=[stride_bk, 1],
                                            block_shape=[BK, BN])
         b_row = e * B_ROWS
+    if A_DESC:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[S, K], strides=[stride_am, 1], block_shape=[BM, BK])
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in tl.range(0, K, BK, warp_specialize=WARP_SPECIALIZE):
@@ -251,7 +255,10 @@ def _grouped_gemm_tile(
             k_live = offs_k < K - k0
             a_mask = live[:, None] & k_live[None, :]
             b_mask = k_live[:, None] & n_live[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        if A_DESC:
+            a = a_desc.load([start + row0, k0])
+        else:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         a = a.to(b_ptr.dtype.element_ty)
         if B_DESC == B_K_ROWS:
             b = b_desc.load([b_row, k0]).T

@@ -94,6 +94,8 @@ class TileConfig:
     # wgrad the row tiles
     WARP_SPECIALIZE: bool = False  # grouped GEMMs: loading and multiplying warps apart (triton's tl.range option)
     SHORT_TAILS: int = 0  # grouped GEMMs: an expert's last block may run a BM/2, ..., BM/2**SHORT_TAILS-row tile
+    A_TMA: bool = False  # grouped GEMMs: the row tiles through tensor descriptors too (the gate/up GEMM then reads
+    # x gathered into sorted order by a step before it)
 
 
 def _pow2(n: int) -> int:
@@ -240,6 +242,25 @@ def _b_descriptor(problem: Problem, cfg: TileConfig, b_strides: tuple[int, int, 
     return dict(B_DESC=code, B_ROWS=e // row, B_COLS=cols)
 
 
+def _a_descriptor(problem: Problem, cfg: TileConfig, stride_am: int, a_by_token: bool) -> bool:
+    """Whether a grouped GEMM loads its A tiles through a tensor descriptor: where the config asks for it, the
+    binding allows descriptors, the rows are sorted rows (not gathered by token) of a 16-bit [S, K] array with
+    16-byte row strides, and there are rows."""
+    size = _ITEMSIZE[problem.dtype]
+    return (cfg.A_TMA and problem.tma and not a_by_token and size == 2 and problem.S > 0
+            and cfg.BK * size >= _TMA_ALIGN and (stride_am * size) % _TMA_ALIGN == 0)
+
+
+def gathers_x(problem: Problem, *, training: bool) -> bool:
+    """Whether the forward gathers x into sorted order before its gate/up GEMM: always for training (the
+    backward's weight gradient reads those rows), and at inference where the gate/up config loads its A tiles
+    through a tensor descriptor."""
+    if training:
+        return True
+    cfg = tile_config(problem.device, "gate_up", problem.I, problem.H, problem.E, problem.S)
+    return _a_descriptor(problem, cfg, problem.H, a_by_token=False)
+
+
 _MIN_DOT_ROWS = 16  # the smallest tile height tl.dot takes
 
 
@@ -265,7 +286,8 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         C_BY_SLOT=c_by_slot, ACCUMULATE=accumulate, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EB=_expert_bins(E),
         DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
         ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM), WARP_SPECIALIZE=cfg.WARP_SPECIALIZE,
-        SHORT_TAILS=_short_tails(cfg), **_b_descriptor(problem, cfg, b_strides, K))
+        SHORT_TAILS=_short_tails(cfg), A_DESC=_a_descriptor(problem, cfg, stride_am, a_by_token),
+        **_b_descriptor(problem, cfg, b_strides, K))
     return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
                 (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
                 (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
@@ -343,8 +365,12 @@ def forward_plan(problem: Problem, *, training: bool = False) -> Plan:
         return _finish(steps, "out")
     accumulate = not (problem.deterministic or training)
     steps = _route_steps(problem.S, problem.E)
-    steps.append(_gemm(problem, "gate_up", a="x", b="gate_up", N=I, K=H, b_strides=(g_e, g_k, g_n),
-                       out=Buffer("act", (S, I), WEIGHTS), stride_am=H, stride_cm=I, a_by_token=True,
+    gathered = gathers_x(problem, training=training)
+    if gathered:
+        steps.append(_gather(problem, "x", Buffer("x_sorted", (S, H), WEIGHTS), scaled=False))
+    steps.append(_gemm(problem, "gate_up", a="x_sorted" if gathered else "x", b="gate_up", N=I, K=H,
+                       b_strides=(g_e, g_k, g_n), out=Buffer("act", (S, I), WEIGHTS), stride_am=H, stride_cm=I,
+                       a_by_token=not gathered,
                        bias=_bias(problem, "gate_up"), epilogue=GATED_FORWARD,
                        preact_out=Buffer("preact", (S, 2 * I), WEIGHTS) if training else None))
     if accumulate:
@@ -359,10 +385,10 @@ def forward_plan(problem: Problem, *, training: bool = False) -> Plan:
     return _finish(steps, "out", TRAINING_RESIDUALS if training else ())
 
 
-TRAINING_RESIDUALS = ("order", "counts", "starts", "preact", "act", "y")
-"""What the training forward keeps for ``backward_plan``: the routing, the pre-activations [g | u] (for d act), the
-activations the down GEMM read (for its weight gradient) and the per-slot outputs (for the routing-weight
-gradient)."""
+TRAINING_RESIDUALS = ("order", "counts", "starts", "x_sorted", "preact", "act", "y")
+"""What the training forward keeps for ``backward_plan``: the routing, x in sorted order (for the gate/up weight
+gradient), the pre-activations [g | u] (for d act), the activations the down GEMM read (for its weight gradient)
+and the per-slot outputs (for the routing-weight gradient)."""
 
 GRADIENTS = {"hidden_states": "dx", "top_k_weights": "dw", "gate_up_proj": "d_gate_up", "down_proj": "d_down",
              "gate_up_bias": "d_gate_up_bias", "down_bias": "d_down_bias"}
@@ -380,10 +406,10 @@ def backward_plan(problem: Problem) -> Plan:
     steps = [
         Step("routing_grad_kernel", _cdiv(T, BT), ("dout", "y", "ids", T), (Buffer("dw", (S,), ROUTING),),
              dict(E=E, H=H, TOP_K=problem.k, BT=BT, BH=BH), num_warps=4, num_stages=1),
-        # the rows w * dout and x in sorted order, read by the input gradient's and both weight gradients' GEMMs
-        # as plain tiles (gathering and scaling them inside those GEMMs' loops cost up to 2x in their time)
+        # the rows w * dout in sorted order, read by the input gradient's and the down weight gradient's GEMMs as
+        # plain tiles (gathering and scaling them inside those GEMMs' loops cost up to 2x in their time); the
+        # forward kept x in sorted order
         _gather(problem, "dout", Buffer("dout_sorted", (S, H), WEIGHTS), scaled=True),
-        _gather(problem, "x", Buffer("x_sorted", (S, H), WEIGHTS), scaled=False),
         # d(act(g) * u) = (w * dout) @ down[e], then [dg, du] in the epilogue
         _gemm(problem, "dgrad_down", a="dout_sorted", b="down", N=I, K=H, b_strides=(d_e, d_n, d_k),
               out=Buffer("dpreact", (S, 2 * I), WEIGHTS), stride_am=H, stride_cm=2 * I,
