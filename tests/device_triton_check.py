@@ -486,7 +486,10 @@ WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 
 ROW_TMA_STEP_VARIANTS = [C(*c, TMA=True, WARP_SPECIALIZE=ws, SHORT_TAILS=1, A_TMA=True) for c, ws in (
     ((128, 128, 64, 8, 3, 8), False), ((128, 128, 64, 8, 4, 8), False), ((128, 256, 64, 8, 3, 8), False),
     ((128, 128, 64, 8, 3, 8), True), ((128, 256, 64, 8, 3, 8), True), ((64, 128, 64, 4, 4, 8), False),
-    ((64, 256, 64, 8, 3, 8), False), ((128, 128, 128, 8, 3, 8), False), ((64, 128, 128, 8, 3, 8), False))]
+    ((64, 256, 64, 8, 3, 8), False), ((128, 128, 128, 8, 3, 8), False), ((64, 128, 128, 8, 3, 8), False))] + [
+    # persistent: one or two programs per SM of the H200 (132), each looping over the output tiles
+    C(*c, TMA=True, SHORT_TAILS=1, A_TMA=True, PROGRAMS=p) for c, p in (
+        ((128, 128, 64, 8, 3, 8), 132), ((128, 128, 64, 8, 3, 8), 264), ((128, 256, 64, 8, 3, 8), 132))]
 # Persistent weight-gradient programs (132, 264 or 396 programs, one flat loop over their tiles' row steps) were
 # slower than one program per tile for every step and shape (tests/device_results/nvidia-h200-triton-steps-wgrad-
 # persistent.json), so the kernel has no such mode.
@@ -583,7 +586,8 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
                        "tflops": round(flops / ms / 1e9, 1) if flops else None,
                        "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC", c.get("DESC")),
-                                  c.get("WARP_SPECIALIZE"), c.get("SHORT_TAILS"), c.get("A_DESC")]}
+                                  c.get("WARP_SPECIALIZE"), c.get("SHORT_TAILS"), c.get("A_DESC"),
+                                  c.get("PROGRAMS")]}
                 gathers = [g for g in (plan.steps if plan else ()) if g.kernel == "gather_rows_kernel"
                            and g.outputs[0].name == step.inputs[0]]
                 if gathers:  # a gather this plan adds for this step alone: its time is the step's too
@@ -638,7 +642,7 @@ STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("d
              "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H),
              "decode_gate_up": lambda H, I: ("decode", I, H), "decode_down": lambda H, I: ("decode", H, I)}
 CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS",
-                 "A_TMA")
+                 "A_TMA", "PROGRAMS")
 
 
 MERGE_MARGIN = 0.05  # a variant replaces the step's own config only when this much faster (run-to-run noise)

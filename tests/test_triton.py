@@ -201,9 +201,8 @@ def test_grouped_row_block_order_gives_the_same_bits(group_m):
         np.testing.assert_array_equal(grouped[name], plain[name], err_msg=name)
 
 
-def test_short_tail_tiles_give_the_same_bits():
-    """SHORT_TAILS runs an expert's last block as a 32- or 16-row tile where its rows fit (BM 64): every row is
-    still computed once, in the same K steps, so forward and backward give the same bits as 64-row tiles."""
+def _skewed_case():
+    """T=73 over 5 experts, skewed (one idle, one empty slot), with last blocks of every height class at BM 64."""
     rng = np.random.default_rng(12)
     arrays, grad_output = random_case(12, T=73, H=32, I=16, E=5, k=2, bias=True)
     weights = np.array([0.48, 0.17, 0.07, 0.28, 0.0])
@@ -213,27 +212,55 @@ def test_short_tail_tiles_give_the_same_bits():
     counts = np.bincount(idx[idx >= 0], minlength=5)
     tails = {int(c % 64 or 64) for c in counts if c}
     assert {bool(t <= 16) + bool(t <= 32) for t in tails} == {0, 1, 2}, counts  # every tile height is used
+    return arrays, grad_output
+
+
+def _grouped_gemm_runs(arrays, grad_output, config: plans.TileConfig):
+    """Training (output and gradients) and inference results through torch with ``config`` for every grouped GEMM
+    of ``_skewed_case``, and the plans' grouped GEMM steps."""
     shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
-    runs = {}
     try:
-        for tails_allowed in (0, 2):
-            for kernel, N, K in shapes:
-                plans.OVERRIDES[kernel, N, K, 5] = plans.TileConfig(BM=64, BN=16, BK=16, SHORT_TAILS=tails_allowed)
-            plans.clear_caches()
-            runs[tails_allowed] = (torch_run(arrays, "bfloat16", grad_output),
-                                   torch_run(arrays, "bfloat16", training=False))
-            ts = to_torch(arrays, "bfloat16")
-            problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
-                                                      ts["down_proj"], ts["gate_up_bias"], ts["down_bias"], "silu")
-            steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
-            assert [s.constants["SHORT_TAILS"] for s in steps if s.kernel == "grouped_gemm_kernel"] == [
-                tails_allowed] * 4
+        for kernel, N, K in shapes:
+            plans.OVERRIDES[kernel, N, K, 5] = config
+        plans.clear_caches()
+        runs = (torch_run(arrays, "bfloat16", grad_output), torch_run(arrays, "bfloat16", training=False))
+        ts = to_torch(arrays, "bfloat16")
+        problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
+                                                  ts["down_proj"], ts["gate_up_bias"], ts["down_bias"], "silu")
+        steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
+        return runs, [s for s in steps if s.kernel == "grouped_gemm_kernel"]
     finally:
         plans.OVERRIDES.clear()
         plans.clear_caches()
-    for plain, short in zip(runs[0], runs[2]):
+
+
+def _assert_same_bits(runs, want):
+    for got, plain in zip(runs, want):
         for name in plain:
-            np.testing.assert_array_equal(short[name], plain[name], err_msg=name)
+            np.testing.assert_array_equal(got[name], plain[name], err_msg=name)
+
+
+def test_short_tail_tiles_give_the_same_bits():
+    """SHORT_TAILS runs an expert's last block as a 32- or 16-row tile where its rows fit (BM 64): every row is
+    still computed once, in the same K steps, so forward and backward give the same bits as 64-row tiles."""
+    arrays, grad_output = _skewed_case()
+    plain, _ = _grouped_gemm_runs(arrays, grad_output, plans.TileConfig(BM=64, BN=16, BK=16))
+    short, steps = _grouped_gemm_runs(arrays, grad_output, plans.TileConfig(BM=64, BN=16, BK=16, SHORT_TAILS=2))
+    assert [s.constants["SHORT_TAILS"] for s in steps] == [2] * 4
+    _assert_same_bits(short, plain)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_persistent_programs_give_the_same_bits(programs):
+    """PROGRAMS > 0 launches that many programs, each looping over every PROGRAMS-th output tile of the real row
+    blocks (with GROUP_M and short tails): every tile computed once in the same K steps, so the bits of one
+    program per tile, forward, backward and inference; with more programs than tiles the rest do nothing."""
+    arrays, grad_output = _skewed_case()
+    tiles = dict(BM=64, BN=16, BK=16, GROUP_M=2, SHORT_TAILS=2)
+    plain, _ = _grouped_gemm_runs(arrays, grad_output, plans.TileConfig(**tiles))
+    persistent, steps = _grouped_gemm_runs(arrays, grad_output, plans.TileConfig(**tiles, PROGRAMS=programs))
+    assert [(s.grid, s.constants["PROGRAMS"]) for s in steps] == [(programs, programs)] * 4
+    _assert_same_bits(persistent, plain)
 
 
 def test_short_tails_keep_tiles_of_at_least_16_rows():

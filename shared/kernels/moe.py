@@ -161,45 +161,79 @@ def grouped_gemm_kernel(
     EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_ROWS: tl.constexpr = 0, B_COLS: tl.constexpr = 0,
     WARP_SPECIALIZE: tl.constexpr = False, SHORT_TAILS: tl.constexpr = 0, A_DESC: tl.constexpr = False,
+    PROGRAMS: tl.constexpr = 0,
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
     A rows: ``A_BY_TOKEN`` gathers token ``order[r] // TOP_K`` (no permuted copy), else sorted row r. Epilogues:
     PLAIN stores C (+ bias); GATED_FORWARD computes the gate columns n and the up columns GATE_OFFSET + n, adds the
     bias, stores act(g) * u (and g, u to ``aux`` with STORE_PREACT); GATED_BACKWARD takes C as d(act(g) * u) and
-    stores [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with ``ACCUMULATE``,
-    atomically added to the token's row scaled by the routing weight. ``EVEN_K`` (K a multiple of BK) drops the
-    K masks. Grid: one program per (row block, N tile) over ``ROW_BLOCKS``, a static upper bound of row blocks
-    (blocks past the last expert's return at once), ``GROUP_M`` row blocks at a time over every N tile so that
-    they share each weight tile in L2. DOT_PRECISION is "ieee" for float32 operands (no TF32).
+    stores [dg, du] from the saved pre-activations. C rows: sorted, the slot (``C_BY_SLOT``), or, with
+    ``ACCUMULATE``, atomically added to the token's row scaled by the routing weight. ``EVEN_K`` (K a multiple of
+    BK) drops the K masks. Grid: one program per (row block, N tile) over ``ROW_BLOCKS``, a static upper bound of
+    row blocks (blocks past the last expert's return at once), or with ``PROGRAMS`` > 0 that many programs, each
+    looping over every PROGRAMS-th tile of the real row blocks (persistent); ``GROUP_M`` row blocks at a time over
+    every N tile so that they share each weight tile in L2. DOT_PRECISION is "ieee" for float32 operands (no TF32).
     ``B_DESC`` loads the weight tiles through a tensor descriptor (TMA on Hopper) over the weights as one 2-D array,
     ``B_ROWS`` rows per expert of ``B_COLS`` columns: B_K_ROWS when B[e] is stored with k contiguous (stride_bk ==
-    1; a row per n), B_N_ROWS with n contiguous (stride_bn == 1; a row per k); B_POINTERS loads them through
-    masked pointers. ``A_DESC`` loads the A tiles of sorted rows (not ``A_BY_TOKEN``) through a tensor descriptor
-    over A as an [S, K] array. A descriptor tile may run past N, K or the expert's rows into the next rows or
-    columns: those outputs are never stored; past the array it reads zeros. ``WARP_SPECIALIZE`` asks triton to split the K loop into loading and
-    multiplying warps. ``SHORT_TAILS`` = L lets an expert's last block run a shorter tile, BM >> l rows for the
-    smallest l <= L that holds its rows, so its padding rows cost no multiplies (an expert with 130 rows takes a
-    128-row tile and a 16-row one with L = 3, not two 128-row tiles).
+    1; a row per n), B_N_ROWS with n contiguous (stride_bn == 1; a row per k); B_POINTERS loads them through masked
+    pointers. ``A_DESC`` loads the A tiles of sorted rows (not ``A_BY_TOKEN``) through a tensor descriptor over A as
+    an [S, K] array. A descriptor tile may run past N, K or the expert's rows into the next rows or columns: those
+    outputs are never stored; past the array it reads zeros. ``WARP_SPECIALIZE`` asks triton to split the K loop
+    into loading and multiplying warps. ``SHORT_TAILS`` = L lets an expert's last block run a shorter tile, BM >> l
+    rows for the smallest l <= L that holds its rows, so its padding rows cost no multiplies (an expert with 130
+    rows takes a 128-row tile and a 16-row one with L = 3, not two 128-row tiles).
     """
     pid = tl.program_id(0)
+    if PROGRAMS == 0:
+        _grouped_gemm_block_tile(
+            pid, ROW_BLOCKS, a_ptr, b_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
+            c_ptr, aux_ptr, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm,
+            GATE_OFFSET, A_BY_TOKEN, HAS_BIAS, EPILOGUE, ACTIVATION, STORE_PREACT, C_BY_SLOT, ACCUMULATE, BM, BN, BK,
+            EB, DOT_PRECISION, EVEN_K, GROUP_M, B_DESC, B_ROWS, B_COLS, WARP_SPECIALIZE, SHORT_TAILS, A_DESC)
+    else:
+        bins = tl.arange(0, EB)
+        counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+        blocks = tl.sum((counts + BM - 1) // BM, 0)
+        for tile in range(pid, blocks * ((N + BN - 1) // BN), PROGRAMS):
+            _grouped_gemm_block_tile(
+                tile, blocks, a_ptr, b_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
+                c_ptr, aux_ptr, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e,
+                stride_cm, GATE_OFFSET, A_BY_TOKEN, HAS_BIAS, EPILOGUE, ACTIVATION, STORE_PREACT, C_BY_SLOT,
+                ACCUMULATE, BM, BN, BK, EB, DOT_PRECISION, EVEN_K, GROUP_M, B_DESC, B_ROWS, B_COLS, WARP_SPECIALIZE,
+                SHORT_TAILS, A_DESC)
+
+
+@triton.jit
+def _grouped_gemm_block_tile(
+    tile, row_blocks, a_ptr, b_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
+    c_ptr, aux_ptr,
+    E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+    stride_am: tl.constexpr, stride_be: tl.constexpr, stride_bk: tl.constexpr, stride_bn: tl.constexpr,
+    stride_bias_e: tl.constexpr, stride_cm: tl.constexpr, GATE_OFFSET: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, B_DESC: tl.constexpr, B_ROWS: tl.constexpr, B_COLS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, SHORT_TAILS: tl.constexpr, A_DESC: tl.constexpr,
+):
+    """Output tile number ``tile`` of ``grouped_gemm_kernel`` over ``row_blocks`` row blocks (a bound: blocks past
+    the last expert's do nothing)."""
     num_n: tl.constexpr = (N + BN - 1) // BN
     # GROUP_M consecutive row blocks take each N tile in turn, so a weight tile is read from L2 by all of them
     per_group: tl.constexpr = GROUP_M * num_n
-    first_block = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(ROW_BLOCKS - first_block, GROUP_M)
-    block = first_block + (pid % per_group) % group_size
-    n_tile = (pid % per_group) // group_size
+    first_block = (tile // per_group) * GROUP_M
+    group_size = tl.minimum(row_blocks - first_block, GROUP_M)
+    block = first_block + (tile % per_group) % group_size
+    n_tile = (tile % per_group) // group_size
     e, row0, count, start = _locate_block(counts_ptr, starts_ptr, block, E, EB, BM)
-    if e >= E:
-        return
     rows_left = count - row0
     for level in tl.static_range(SHORT_TAILS + 1):
         # tile height BM >> level takes rows_left in (BM >> (level + 1), BM >> level]; the last level from 1 row,
         # level 0 any larger block
         fits_above = rows_left > ((BM >> (level + 1)) if level < SHORT_TAILS else 0)
         fits_below = (rows_left <= (BM >> level)) if level > 0 else True
-        if fits_above & fits_below:
+        if (e < E) & fits_above & fits_below:
             _grouped_gemm_tile(
                 a_ptr, b_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, c_ptr, aux_ptr, e, row0, count, start,
                 n_tile, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm,

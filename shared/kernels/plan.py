@@ -96,6 +96,7 @@ class TileConfig:
     SHORT_TAILS: int = 0  # grouped GEMMs: an expert's last block may run a BM/2, ..., BM/2**SHORT_TAILS-row tile
     A_TMA: bool = False  # grouped GEMMs: the row tiles through tensor descriptors too (the gate/up GEMM then reads
     # x gathered into sorted order by a step before it)
+    PROGRAMS: int = 0  # grouped GEMMs: persistent programs looping over the output tiles (0: one program per tile)
 
 
 def _pow2(n: int) -> int:
@@ -287,8 +288,8 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
         ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM), WARP_SPECIALIZE=cfg.WARP_SPECIALIZE,
         SHORT_TAILS=_short_tails(cfg), A_DESC=_a_descriptor(problem, cfg, stride_am, a_by_token),
-        **_b_descriptor(problem, cfg, b_strides, K))
-    return Step("grouped_gemm_kernel", _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
+        PROGRAMS=cfg.PROGRAMS, **_b_descriptor(problem, cfg, b_strides, K))
+    return Step("grouped_gemm_kernel", cfg.PROGRAMS or _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
                 (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
                 (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
                 zeroed=(0,) if accumulate else ())
