@@ -652,6 +652,34 @@ def test_tiles_through_tensor_descriptors_give_the_same_bits(transposed, rows, m
         np.testing.assert_array_equal(described[name], plain[name], err_msg=name)
 
 
+def test_row_descriptors_alone_get_the_descriptor_workspace(monkeypatch):
+    """A plan whose kernels make only row-tile descriptors (the weights through pointers) still gets triton's
+    allocator for their global scratch."""
+    import triton
+    arrays, grad_output = random_case(13, T=40, H=32, I=16, E=3, k=2, bias=False)
+    monkeypatch.setattr(torch_triton_backend, "tensor_descriptors_allowed", lambda *weights: True)
+    allocators = []
+    monkeypatch.setattr(triton, "set_allocator", allocators.append)
+    shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
+    try:
+        for kernel, N, K in shapes:
+            plans.OVERRIDES[kernel, N, K, 3] = plans.TileConfig(BM=16, BN=16, BK=16, A_TMA=True)
+        plans.clear_caches()
+        ours = torch_run(arrays, "bfloat16", grad_output)
+        ts = to_torch(arrays, "bfloat16")
+        problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
+                                                  ts["down_proj"], None, None, "silu")
+        steps = plans.forward_plan(problem, training=True).steps + plans.backward_plan(problem).steps
+    finally:
+        plans.OVERRIDES.clear()
+        plans.clear_caches()
+    gemms = [s for s in steps if s.kernel == "grouped_gemm_kernel"]
+    assert [(s.constants["B_DESC"], s.constants["A_DESC"]) for s in gemms] == [(plans.B_POINTERS, True)] * 4
+    assert allocators == [torch_triton_backend._descriptor_workspace] * 2  # the forward's run and the backward's
+    plain = torch_run(arrays, "bfloat16", grad_output)
+    _assert_same_bits([ours], [plain])
+
+
 def test_tensor_descriptors_need_a_layout_that_fits():
     problem = plans.Problem(T=8, H=24, I=20, E=3, k=2, activation="silu", dtype="bfloat16",
                             gate_up_strides=(40 * 24, 24, 1), down_strides=(24 * 20, 20, 1), tma=True)

@@ -74,7 +74,7 @@ def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None
     dtypes = _DTYPE_ROLES | (_dtypes(env) if dtypes is None else dtypes)
     device = next(iter(env.values())).device
     kernels = _kernels() if any(step.grid for step in plan.steps) else None
-    if any(step.constants.get("B_DESC") for step in plan.steps):
+    if any(plans.makes_tensor_descriptors(step) for step in plan.steps):
         import triton
         triton.set_allocator(_descriptor_workspace)  # a context variable: set in the thread that launches
     where = _launch_place(device) if kernels is not None else None

@@ -262,6 +262,11 @@ def gathers_x(problem: Problem, *, training: bool) -> bool:
     return _a_descriptor(problem, cfg, problem.H, a_by_token=False)
 
 
+def makes_tensor_descriptors(step: Step) -> bool:
+    """Whether a step's kernel makes tensor descriptors on the device (it then takes a global scratch buffer)."""
+    return any(step.constants.get(flag) for flag in ("B_DESC", "A_DESC", "DESC"))
+
+
 _MIN_DOT_ROWS = 16  # the smallest tile height tl.dot takes
 
 
