@@ -12,7 +12,9 @@ Differentiated by its own VJP: the forward under differentiation keeps the pre-a
 backward is the same loop. Per block: the routing weights' gradient (a dot over I of the activation and the output
 gradient through the down weights), the activation's VJP, the input gradient scatter-added into float32 token rows
 (each token's k slots summed in float32), and the weight and bias gradients, summed over an expert's blocks in
-float32 (most experts take one block: nothing to add).
+float32 (most experts take one block: nothing to add). Where the forward runs on ``expert_rows``, the backward's two
+products through the weights (the output gradient through the down weights, the pre-activation gradient through
+the gate/up weights) run on its transposed mode (``expert_rows_transposed``), the weights read in place.
 """
 
 from __future__ import annotations
@@ -229,24 +231,33 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
     sizes = block_sizes(S, E, backward=True)
     hit, n_hit, starts, ends = hit_experts(group_sizes)
     biased = gate_up_bias is not None
+    row_kernel = uses_row_kernel(S, E, x, gate_up, down)
 
     def expert(carry):
         i, dx, dweights, grads, acc, invariant = carry
         invariant = lax.optimization_barrier(invariant)
         x, dout, pre, gate_up, down, gate_up_bias, down_bias = invariant
         e = hit[i]
-        (w1, b1), (w2, b2) = _expert(gate_up, gate_up_bias, e), _expert(down, down_bias, e)
+        if row_kernel:  # the weights stay where they are; rows past the block's count come out zero
+            b2 = _expert(None, down_bias, e)[1]
+            through_down = lambda rows, live: expert_rows.expert_rows_transposed(rows, down, e, live)
+            through_gate_up = lambda rows, live: expert_rows.expert_rows_transposed(rows, gate_up, e, live)
+        else:
+            (w1, _), (w2, b2) = _expert(gate_up, None, e), _expert(down, down_bias, e)
+            through_down = lambda rows, live: _dot(rows, w2, (1, 0))
+            through_gate_up = lambda rows, live: _dot(rows, w1, (1, 0))
 
         def step(row, limit, carry, *, size, first):
             dx, dweights, acc, rows = carry
             rows = lax.optimization_barrier(rows)
             x, dout, pre = rows
             tok, w = _rows(token, weights, row, size, limit)
+            live = jnp.clip(limit - row, 0, size)
             w = w[:, None]
             h = from_bits(lax.dynamic_slice(pre, (row, 0), (size, N)), x.dtype)
             a, act_vjp = _gate_vjp(activation, h, I)
             g = _gather(dout, tok)
-            t = _dot(g, w2, (1, 0))  # [B, I]: the output gradient through the down weights
+            t = through_down(g, live)  # [B, I]: the output gradient through the down weights
             dw = jnp.sum(t * a, axis=1)
             if biased:
                 dw = dw + _dot(g, b2, (1, 0))
@@ -258,7 +269,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
                      jnp.sum(gw.astype(jnp.float32), axis=0) if biased else None,
                      jnp.sum(dh.astype(jnp.float32), axis=0) if biased else None)
             acc = terms if first else jax.tree.map(jnp.add, acc, terms)
-            dx = dx.at[tok].add(_dot(dh, w1, (1, 0)))
+            dx = dx.at[tok].add(through_gate_up(dh, live))
             return dx, dweights, acc, (x, dout, pre)
 
         # the expert's first block replaces acc (the previous expert's sums: no fresh zeros per expert)

@@ -2,8 +2,10 @@
 // float32, with expert e's bfloat16 weights read where they lie in w [E, N, K] (XLA:CPU copies a dynamic slice
 // before a dot). Rows from `count` on are written as zeros. moe_expert_rows_add: the same products for the first
 // `count` rows, each rounded to bfloat16, times scale[b] and added into row token[b] of a float32 [T, N] array
-// updated in place (its operand aliases its result). The kernel is moe_shared's expert_rows.h (attribute `amx`: its
-// AMX way, else AVX512-BF16); its chunks are taken by the calling thread and one task on XLA's intra-op pool.
+// updated in place (its operand aliases its result). moe_expert_rows_transposed: the other orientation, out[b, k] =
+// sum_n x[b, n] * w[e, n, k] for x [B, N] and w [E, N, K] (rows from `count` on zeros), on the same weights in
+// place. The kernel is moe_shared's expert_rows.h (attribute `amx`: its AMX way, else AVX512-BF16); its chunks are
+// taken by the calling thread and one task on XLA's intra-op pool.
 #include <memory>
 #include <string>
 
@@ -14,29 +16,32 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// The operands both targets share: x [B, K] and w [E, N, K] in bfloat16, the expert e and the row count (clamped
-// to [0, B]); `error` is set where they are not that.
+// The operands every target shares: x [B, K] (transposed: [B, N]) and w [E, N, K] in bfloat16, the expert e and
+// the row count (clamped to [0, B]); `error` is set where they are not that.
 struct Rows {
-  int64_t B = 0, K = 0, N = 0, e = 0, count = 0;
+  int64_t B = 0, e = 0, count = 0;
+  moe_rows::Shape shape{};
   moe_rows::Group group{};
   const char* error = nullptr;
 };
 
 Rows ReadRows(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert, ffi::Buffer<ffi::S32> count,
-              float* out) {
+              float* out, bool transposed) {
   Rows r;
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (x.element_type() != ffi::BF16 || w.element_type() != ffi::BF16 || xd.size() != 2 || wd.size() != 3 ||
-      xd[1] != wd[2]) {
-    r.error = "expected x [B, K] and w [E, N, K] in bfloat16";
+      xd[1] != wd[transposed ? 1 : 2]) {
+    r.error = transposed ? "expected x [B, N] and w [E, N, K] in bfloat16"
+                         : "expected x [B, K] and w [E, N, K] in bfloat16";
     return r;
   }
-  r.B = xd[0], r.K = xd[1], r.N = wd[1], r.e = *expert.typed_data();
+  r.B = xd[0], r.e = *expert.typed_data();
+  r.shape = {wd[1], wd[2], transposed};
   const int64_t asked = *count.typed_data();
   r.count = asked < 0 ? 0 : (asked > r.B ? r.B : asked);
   if (r.e < 0 || r.e >= wd[0]) r.error = "expert index out of range";
   r.group = {static_cast<const uint16_t*>(x.untyped_data()),
-             static_cast<const uint16_t*>(w.untyped_data()) + r.e * r.N * r.K, out, r.count, r.K};
+             static_cast<const uint16_t*>(w.untyped_data()) + r.e * wd[1] * wd[2], out, r.count, xd[1]};
   return r;
 }
 
@@ -46,9 +51,9 @@ ffi::Error Invalid(const char* target, const char* what) {
 
 // the group's chunks, taken by the calling thread and one task on XLA's intra-op pool
 ffi::Error Run(ffi::ThreadPool& pool, const Rows& r, bool amx, const char* target) {
-  if (r.count == 0 || r.N == 0) return ffi::Error::Success();
+  if (r.count == 0 || r.shape.outputs() == 0) return ffi::Error::Success();
   auto job = std::make_shared<moe_rows::Job>();
-  if (!job->Prepare({r.group}, {r.N, r.K}, amx))
+  if (!job->Prepare({r.group}, r.shape, amx))
     return ffi::Error::Internal(std::string(target) + ": the kernel refused AMX tile data");
   if (job->chunks() > 1) pool.Schedule([job] { job->Run(); });  // a task that starts late finds no chunk left
   job->Run();
@@ -56,24 +61,38 @@ ffi::Error Run(ffi::ThreadPool& pool, const Rows& r, bool amx, const char* targe
   return ffi::Error::Success();
 }
 
+// rows stored as float32, zeros from `count` on (both orientations)
+template <bool kTransposed>
+ffi::Error StoredRows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
+                      ffi::Buffer<ffi::S32> count, ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
+  const char* target = kTransposed ? "moe_expert_rows_transposed" : "moe_expert_rows";
+  const Rows r = ReadRows(x, w, expert, count, out->typed_data(), kTransposed);
+  if (r.error) return Invalid(target, r.error);
+  float* o = out->typed_data();
+  const int64_t width = r.shape.outputs();
+  for (int64_t i = r.count * width; i < r.B * width; ++i) o[i] = 0.f;
+  return Run(pool, r, amx, target);
+}
+
 ffi::Error ExpertRows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
                       ffi::Buffer<ffi::S32> count, ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
-  constexpr const char* kTarget = "moe_expert_rows";
-  const Rows r = ReadRows(x, w, expert, count, out->typed_data());
-  if (r.error) return Invalid(kTarget, r.error);
-  float* o = out->typed_data();
-  for (int64_t i = r.count * r.N; i < r.B * r.N; ++i) o[i] = 0.f;
-  return Run(pool, r, amx, kTarget);
+  return StoredRows<false>(pool, x, w, expert, count, out, amx);
+}
+
+ffi::Error ExpertRowsTransposed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                ffi::Buffer<ffi::S32> expert, ffi::Buffer<ffi::S32> count,
+                                ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
+  return StoredRows<true>(pool, x, w, expert, count, out, amx);
 }
 
 ffi::Error ExpertRowsAdd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
                          ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::F32> scale,
                          ffi::Buffer<ffi::F32> into, ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
   constexpr const char* kTarget = "moe_expert_rows_add";
-  Rows r = ReadRows(x, w, expert, count, out->typed_data());
+  Rows r = ReadRows(x, w, expert, count, out->typed_data(), false);
   if (r.error) return Invalid(kTarget, r.error);
   const auto od = into.dimensions();
-  if (od.size() != 2 || od[1] != r.N || token.element_count() != r.B || scale.element_count() != r.B)
+  if (od.size() != 2 || od[1] != r.shape.N || token.element_count() != r.B || scale.element_count() != r.B)
     return Invalid(kTarget, "expected token [B], scale [B] and out [T, N]");
   if (out->untyped_data() != into.untyped_data()) return Invalid(kTarget, "out must alias its operand");
   const int32_t* rows_to = token.typed_data();
@@ -84,7 +103,7 @@ ffi::Error ExpertRowsAdd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   return Run(pool, r, amx, kTarget);
 }
 
-// the operands both targets start with
+// the operands every target starts with
 auto RowsBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -97,6 +116,9 @@ auto RowsBinding() {
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows, ExpertRows,
+                              RowsBinding().Ret<ffi::Buffer<ffi::F32>>().Attr<bool>("amx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_transposed, ExpertRowsTransposed,
                               RowsBinding().Ret<ffi::Buffer<ffi::F32>>().Attr<bool>("amx"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_add, ExpertRowsAdd,

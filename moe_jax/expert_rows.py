@@ -1,6 +1,7 @@
 """The expert loop's row kernel on CPU: ``x[:count] @ w[e].T`` in float32 for a block of rows, reading expert e's
 bfloat16 weights where they lie in ``w`` [E, N, K]; ``expert_rows_add`` adds those rows, rounded to bfloat16 and
-scaled, into token rows instead (the down projection and the combine in one call).
+scaled, into token rows instead (the down projection and the combine in one call); ``expert_rows_transposed`` runs
+the other orientation, ``x[:count] @ w[e]``, on the same weights in place (the backward's input gradients).
 
 XLA:CPU copies a dynamic slice of the weights before every dot, and at decode that copy costs as much as the dot
 (qwen3-cpu, 2-row blocks: 85 us to copy an expert's gate/up weights, 80 us for the dot). The kernel
@@ -26,6 +27,7 @@ from moe_shared import native
 SOURCE = Path(__file__).with_name("expert_rows.cc")
 TARGET = "moe_expert_rows"
 ADD_TARGET = "moe_expert_rows_add"
+TRANSPOSED_TARGET = "moe_expert_rows_transposed"
 VARIABLE = "MOE_JAX_ROW_KERNEL"
 _LOADED: list = []  # the loaded library stays referenced while the process runs
 
@@ -38,6 +40,8 @@ def unavailable() -> str | None:
     if library is not None:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.moe_expert_rows), platform="cpu")
         jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_add), platform="cpu")
+        jax.ffi.register_ffi_target(TRANSPOSED_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_transposed),
+                                    platform="cpu")
         _LOADED.append(library)
     return reason
 
@@ -56,9 +60,23 @@ def amx() -> bool:
     return native.amx(VARIABLE)
 
 
+def _check(x, weights, contracted: int) -> None:
+    """ValueError unless ``x`` is [B, weights.shape[contracted]] and ``weights`` [E, N, K], both bfloat16."""
+    for name, array, rank in (("x", x, 2), ("weights", weights, 3)):
+        if array.dtype != jnp.bfloat16:
+            raise ValueError(f"{name}: expected dtype bfloat16 (the row kernel's only one), got dtype {array.dtype}")
+        if array.ndim != rank:
+            raise ValueError(f"{name}: expected a {rank}-D array, got shape {tuple(array.shape)}")
+    if x.shape[1] != weights.shape[contracted]:
+        axis = "ENK"[contracted]
+        raise ValueError(f"x: expected shape [B, {axis}] = (?, {weights.shape[contracted]}) for weights of shape "
+                         f"{tuple(weights.shape)}, got shape {tuple(x.shape)}")
+
+
 def expert_rows(x, weights, expert, count):
     """float32 [B, N]: the first ``count`` rows of ``x`` [B, K] times ``weights[expert]`` [N, K] transposed, zeros
     below them; bfloat16 operands, ``expert`` and ``count`` int32 scalars."""
+    _check(x, weights, 2)
     B, N = x.shape[0], weights.shape[1]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, N), jnp.float32), vmap_method="sequential")
     return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), amx=amx())
@@ -69,7 +87,19 @@ def expert_rows_add(out, x, weights, expert, count, token, scale):
     weights[expert].T`` rounded to bfloat16, times ``scale[b]``, added into row ``token[b]`` (in row order; the
     same sums as ``out.at[token].add(y.astype(float32) * scale[:, None])`` on the rounded products y); updated in
     place. ``token`` [B] int32 in [0, T), ``scale`` [B] float32."""
+    _check(x, weights, 2)
     call = jax.ffi.ffi_call(ADD_TARGET, jax.ShapeDtypeStruct(out.shape, jnp.float32), vmap_method="sequential",
                             input_output_aliases={6: 0})
     return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), token.astype(jnp.int32),
                 scale.astype(jnp.float32), out, amx=amx())
+
+
+def expert_rows_transposed(x, weights, expert, count):
+    """float32 [B, K]: the first ``count`` rows of ``x`` [B, N] times ``weights[expert]`` [N, K] (the weights'
+    first dimension contracted, as in ``expert_rows``' VJP with respect to x), zeros below them; bfloat16 operands,
+    ``expert`` and ``count`` int32 scalars. Float32 sums of the exact bfloat16 products, as ``expert_rows``; each
+    pair of weight rows is interleaved on the fly (no transposed copy of the weights)."""
+    _check(x, weights, 1)
+    B, K = x.shape[0], weights.shape[2]
+    call = jax.ffi.ffi_call(TRANSPOSED_TARGET, jax.ShapeDtypeStruct((B, K), jnp.float32), vmap_method="sequential")
+    return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), amx=amx())

@@ -1,10 +1,12 @@
 """The CPU row kernel (moe_shared/kernels/expert_rows.h) through both bindings, moe_jax.expert_rows (the expert
 loop's XLA FFI call) and moe_torch.expert_rows (a C entry point over a list of groups): its numbers in both of its
-ways (AMX tiles, AVX512-BF16 dot products), the same bits from torch and JAX, that the backends' bfloat16 forwards
-run it, and the reasons it gives where it cannot run."""
+ways (AMX tiles, AVX512-BF16 dot products) and both orientations (x @ w.T, and the transposed mode x @ w), the same
+bits from torch and JAX, that the backends' bfloat16 forwards run it and JAX grouped_mm's backward runs its
+transposed mode, and the reasons it gives where it cannot run."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -93,6 +95,52 @@ def test_row_kernel_add_refuses_a_token_row_out_of_range():
                                     jnp.ones(2)).block_until_ready()
 
 
+# B x rows, N (the weights' first dimension, contracted), K outputs, E experts, count: qwen3-cpu's down weights at 3
+# rows (AMX: one x tile; the accumulators carried across 8 blocks of weight rows; 4 chunks of 96 columns); 5 x tiles
+# (passes of 2, 2, 1) with N off 32 (blocks of 4, 4, 2 steps) and K past a chunk (128 + 72); N odd and off 32, K off
+# 16; 2 rows (the AVX512 way, AMX or not), a lone last weight row; no rows; one row, K = 96 + 34; two x tiles, N
+# under one step
+@pytest.mark.parametrize("B, N, K, E, count", [(8, 1024, 384, 4, 3), (70, 300, 200, 2, 70), (40, 77, 70, 3, 37),
+                                                (5, 41, 7, 3, 2), (4, 64, 9, 2, 0), (1, 33, 130, 1, 1),
+                                                (17, 7, 16, 2, 17)])
+@pytest.mark.parametrize("way", list(WAYS))
+@needs_kernel
+def test_row_kernel_transposed_matches_float64(way, B, N, K, E, count, monkeypatch):
+    """expert_rows_transposed: x [B, N] times w[e] [N, K] (not transposed), the weights read in place; float32
+    sums of the exact bfloat16 products, zeros from row count on."""
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
+    if way == "amx" and not expert_rows.amx():
+        pytest.skip("the CPU has no AMX")
+    rng = np.random.default_rng(B * K + count)
+    x = jnp.asarray(rng.standard_normal((B, N)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((E, N, K)), jnp.bfloat16)
+    e = E - 1
+    call = jax.jit(lambda a, b: expert_rows.expert_rows_transposed(a, b, e, count))  # the way is read at tracing
+    got = np.asarray(call(x, w))
+    want = np.asarray(x, np.float64)[:count] @ np.asarray(w[e], np.float64)
+    assert got.shape == (B, K) and got.dtype == np.float32
+    assert not got[count:].any()
+    if count:
+        err = np.linalg.norm(got[:count] - want) / np.linalg.norm(want)
+        assert err < 1e-6, err
+
+
+@pytest.mark.parametrize("x_shape, x_dtype, w_dtype, message", [
+    ((4, 64), jnp.float16, jnp.bfloat16,
+     r"x: expected dtype bfloat16 \(the row kernel's only one\), got dtype float16"),
+    ((4, 64), jnp.bfloat16, jnp.float32,
+     r"weights: expected dtype bfloat16 \(the row kernel's only one\), got dtype float32"),
+    ((4, 1, 64), jnp.bfloat16, jnp.bfloat16, r"x: expected a 2-D array, got shape \(4, 1, 64\)"),
+    ((4, 16), jnp.bfloat16, jnp.bfloat16,
+     r"x: expected shape \[B, N\] = \(\?, 64\) for weights of shape \(2, 64, 16\), got shape \(4, 16\)"),
+])
+def test_row_kernel_transposed_names_a_wrong_operand(x_shape, x_dtype, w_dtype, message):
+    """Checked at tracing, before any kernel is looked at: the argument, what was expected and what came."""
+    x, w = jnp.zeros(x_shape, x_dtype), jnp.zeros((2, 64, 16), w_dtype)
+    with pytest.raises(ValueError, match=message):
+        expert_rows.expert_rows_transposed(x, w, 0, 1)
+
+
 @needs_kernel
 def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
     """bfloat16 at few rows per expert: the forward's matmuls are the row kernel's custom calls (none in float32,
@@ -166,6 +214,54 @@ def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, 
         assert_close("out", np.asarray(out, np.float64), expected["out"], "bfloat16")
         for n, grad in grads.items():
             assert_close(f"grad_{n}", np.asarray(grad, np.float64), expected[n], "bfloat16")
+
+
+# the AVX512 way runs at few rows per expert only (ROW_KERNEL_MEAN_ROWS): 14 rows per expert on average with AMX
+# (blocks of 32 rows: one or two x tiles, or a few rows on the AVX512 way), 6 without
+@pytest.mark.parametrize("way, T", [("amx", 28), ("avx512", 12)])
+@needs_kernel
+def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, monkeypatch):
+    """bfloat16: the backward's products through the weights (the output gradient through the down weights, the
+    pre-activation gradient through the gate/up weights) are moe_expert_rows_transposed's custom calls, two in each
+    loop over blocks (an expert's first block, one loop per block size; its further blocks), and every dot left is
+    a weight gradient ([2I, H] or [H, I]): none on a slice of the weights. With MOE_JAX_ROW_KERNEL=off or in
+    float32, XLA's dots on the weight slices instead. The forward and every gradient within the tolerance table
+    each way."""
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
+    if way == "amx" and not expert_rows.amx():
+        pytest.skip("the CPU has no AMX")
+    H, I, E, k = 72, 44, 4, 2  # H and 2I off multiples of 16: no block of rows has a weight gradient's shape
+    arrays, dy = random_case(T + 31, T=T, H=H, I=I, E=E, k=k, bias=False, empty_fraction=0.1)
+    args = [arrays[n] for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")]
+    expected = reference.experts_backward(*args, dy, activation="silu") | {
+        "out": reference.experts_forward(*args, activation="silu")}
+    weight_gradients = {(2 * I, H), (H, I)}
+    block_sizes = expert_loop.block_sizes(T * k, E, backward=True)
+
+    for setting, dtype, runs in (("auto", jnp.bfloat16, True), ("off", jnp.bfloat16, False),
+                                 ("auto", jnp.float32, False)):
+        monkeypatch.setenv("MOE_JAX_ROW_KERNEL", setting)
+        values = {n: jnp.asarray(a, jnp.int32 if n == "top_k_index" else dtype) for n, a in arrays.items()
+                  if a is not None}
+        names = [n for n in DIFF_ARGS if n in values]
+
+        def forward_and_grads(diff, dy):  # a new function per setting: jit's cache would keep the first trace
+            f = lambda *d: experts_forward(**(values | dict(zip(names, d))), implementation="grouped_mm")
+            out, vjp = jax.vjp(f, *diff)
+            return out, dict(zip(names, vjp(dy)))
+
+        call = jax.jit(forward_and_grads)
+        diff, g = [values[n] for n in names], jnp.asarray(dy, dtype)
+        hlo = call.lower(diff, g).compile().as_text()
+        calls = hlo.count('custom_call_target="moe_expert_rows_transposed"')
+        assert calls == (2 * (len(block_sizes) + 1) if runs else 0), (setting, dtype, calls)
+        dots = {(int(a), int(b)) for a, b in re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", hlo)}
+        assert (dots <= weight_gradients) == runs, (setting, dtype, dots)
+        out, grads = call(diff, g)
+        name = jnp.dtype(dtype).name
+        assert_close("out", np.asarray(out, np.float64), expected["out"], name)
+        for n, grad in grads.items():
+            assert_close(f"grad_{n}", np.asarray(grad, np.float64), expected[n], name)
 
 
 def test_row_kernel_says_why_it_cannot_run(fresh_state, monkeypatch, tmp_path):
