@@ -5,7 +5,13 @@
 // updated in place (its operand aliases its result). moe_expert_rows_transposed: the other orientation, out[b, k] =
 // sum_n x[b, n] * w[e, n, k] for x [B, N] and w [E, N, K] (rows from `count` on zeros), on the same weights in
 // place. The kernel is moe_shared's expert_rows.h (attribute `amx`: its AMX way, else AVX512-BF16); its chunks are
-// taken by the calling thread and one task on XLA's intra-op pool.
+// taken by the calling thread and one task on XLA's intra-op pool. moe_zeros_on_huge_pages: a zero-filled result
+// whose whole 2 MB pages are first marked for transparent huge pages (from `from_bytes` on; XLA's allocator cannot
+// be advised, and a fresh large buffer otherwise faults once per 4 KB page as it is first written).
+#include <sys/mman.h>
+
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -103,6 +109,19 @@ ffi::Error ExpertRowsAdd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   return Run(pool, r, amx, kTarget);
 }
 
+ffi::Error ZerosOnHugePages(ffi::Result<ffi::AnyBuffer> out, int64_t from_bytes) {
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(out->untyped_data());
+  const size_t bytes = out->size_bytes();
+#ifdef MADV_HUGEPAGE
+  const uintptr_t start = (begin + kHugePage - 1) / kHugePage * kHugePage, end = (begin + bytes) / kHugePage * kHugePage;
+  if (static_cast<int64_t>(bytes) >= from_bytes && end > start)
+    madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);  // a hint: the contents are the same
+#endif
+  std::memset(out->untyped_data(), 0, bytes);
+  return ffi::Error::Success();
+}
+
 // the operands every target starts with
 auto RowsBinding() {
   return ffi::Ffi::Bind()
@@ -128,3 +147,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_add, ExpertRowsAdd,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("amx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_zeros_on_huge_pages, ZerosOnHugePages,
+                              ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("from_bytes"));

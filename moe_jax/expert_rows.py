@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("expert_rows.cc")
 TARGET = "moe_expert_rows"
 ADD_TARGET = "moe_expert_rows_add"
 TRANSPOSED_TARGET = "moe_expert_rows_transposed"
+ZEROS_TARGET = "moe_zeros_on_huge_pages"
 VARIABLE = "MOE_JAX_ROW_KERNEL"
 _LOADED: list = []  # the loaded library stays referenced while the process runs
 
@@ -42,6 +43,7 @@ def unavailable() -> str | None:
         jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_add), platform="cpu")
         jax.ffi.register_ffi_target(TRANSPOSED_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_transposed),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(ZEROS_TARGET, jax.ffi.pycapsule(library.moe_zeros_on_huge_pages), platform="cpu")
         _LOADED.append(library)
     return reason
 
@@ -103,3 +105,11 @@ def expert_rows_transposed(x, weights, expert, count):
     B, K = x.shape[0], weights.shape[2]
     call = jax.ffi.ffi_call(TRANSPOSED_TARGET, jax.ShapeDtypeStruct((B, K), jnp.float32), vmap_method="sequential")
     return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), amx=amx())
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype) -> jax.Array:
+    """``jnp.zeros(shape, dtype)`` whose memory, from ``native.HUGE_PAGES_FROM_BYTES`` on, is marked for transparent
+    huge pages before it is written (XLA's allocator cannot be advised; a fresh weight gradient of qwen3-cpu size
+    otherwise faults once per 4 KB page). The kernel's library must be loaded (``enabled()``)."""
+    call = jax.ffi.ffi_call(ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))
+    return call(from_bytes=native.HUGE_PAGES_FROM_BYTES)

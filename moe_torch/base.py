@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from moe_shared import ArrayInfo
+from moe_shared import ArrayInfo, native
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -35,11 +35,7 @@ def device_class(device: torch.device) -> str:
 
 
 _HUGE_PAGE = 2 << 20
-# buffers from this size on get transparent huge pages: a weight gradient of qwen3-cpu's gate/up weights (100 MB, fresh
-# memory every call) took 49 ms to write on 4 KB pages and 28 ms on 2 MB ones (8 rows per expert; 15 ms in memory
-# touched before): the first touch of each page is a fault. glibc gives allocations of 32 MB and more (its largest
-# mmap threshold) a mapping of their own, so the hint reaches no other allocation's memory.
-HUGE_PAGES_FROM_BYTES = 32 << 20
+HUGE_PAGES_FROM_BYTES = native.HUGE_PAGES_FROM_BYTES
 
 
 @functools.cache

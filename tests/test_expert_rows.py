@@ -255,6 +255,8 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
         hlo = call.lower(diff, g).compile().as_text()
         calls = hlo.count('custom_call_target="moe_expert_rows_transposed"')
         assert calls == (2 * (len(block_sizes) + 1) if runs else 0), (setting, dtype, calls)
+        # the two weight gradients start as zeros on huge pages where the kernel runs
+        assert hlo.count('custom_call_target="moe_zeros_on_huge_pages"') == (2 if runs else 0), (setting, dtype)
         dots = {(int(a), int(b)) for a, b in re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", hlo)}
         assert (dots <= weight_gradients) == runs, (setting, dtype, dots)
         out, grads = call(diff, g)
@@ -262,6 +264,22 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
         assert_close("out", np.asarray(out, np.float64), expected["out"], name)
         for n, grad in grads.items():
             assert_close(f"grad_{n}", np.asarray(grad, np.float64), expected[n], name)
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), jnp.bfloat16), ((17,), jnp.float32), ((9, 1024, 1024), jnp.float32),
+                                          ((0, 4), jnp.bfloat16)])
+@needs_kernel
+def test_zeros_on_huge_pages_are_zeros(shape, dtype):
+    """moe_zeros_on_huge_pages: zeros of the shape and dtype asked, under and over HUGE_PAGES_FROM_BYTES (36 MB:
+    marked for huge pages first), and for no elements; its memory is whatever XLA's allocator gave (reused
+    buffers included), written through."""
+    assert 9 * 1024 * 1024 * 4 >= native.HUGE_PAGES_FROM_BYTES
+    for _ in range(2):  # the second call may get the first one's freed memory back
+        junk = jax.block_until_ready(jnp.full(shape, 7, dtype))
+        del junk
+        got = jax.jit(lambda: expert_rows.zeros_on_huge_pages(shape, dtype))()
+        assert got.shape == shape and got.dtype == dtype
+        assert not np.asarray(got).any()
 
 
 def test_row_kernel_says_why_it_cannot_run(fresh_state, monkeypatch, tmp_path):
