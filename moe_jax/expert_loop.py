@@ -127,6 +127,17 @@ def _expert(weights, bias, e):
     return pick(weights), pick(bias)
 
 
+def _through(weights, e, row_kernel: bool, *, transposed: bool):
+    """A block's rows times expert e's weights [N, K]: ``rows @ w.T``, or ``rows @ w`` if ``transposed``, as a
+    function of (rows, live). On the row kernel the weights stay where they are and rows from ``live`` on come out
+    zero; else XLA's dot on the expert's slice."""
+    if row_kernel:
+        kernel = expert_rows.expert_rows_transposed if transposed else expert_rows.expert_rows
+        return lambda rows, live: kernel(rows, weights, e, live)
+    w = _expert(weights, None, e)[0]
+    return lambda rows, live: _dot(rows, w, (1, 0) if transposed else (1, 1))
+
+
 def _gate(activation, h, intermediate: int):
     """act(g) * u for [g; u] = h, computed in float32 on h's values and rounded once to h's dtype (XLA:CPU runs
     bfloat16 elementwise ops as float32 ones with a conversion each); a custom gate runs in h's dtype."""
@@ -191,14 +202,8 @@ def _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_b
         invariant = lax.optimization_barrier(invariant)
         x, gate_up, down, gate_up_bias, down_bias = invariant
         e = hit[i]
-        if row_kernel:  # the weights stay where they are; rows past the block's count come out zero
-            (_, b1), (_, b2) = _expert(None, gate_up_bias, e), _expert(None, down_bias, e)
-            up = lambda rows, live: expert_rows.expert_rows(rows, gate_up, e, live)
-            project = lambda rows, live: expert_rows.expert_rows(rows, down, e, live)
-        else:
-            (w1, b1), (w2, b2) = _expert(gate_up, gate_up_bias, e), _expert(down, down_bias, e)
-            up = lambda rows, live: _dot(rows, w1, (1, 1))
-            project = lambda rows, live: _dot(rows, w2, (1, 1))
+        (_, b1), (_, b2) = _expert(None, gate_up_bias, e), _expert(None, down_bias, e)
+        up, project = (_through(w, e, row_kernel, transposed=False) for w in (gate_up, down))
 
         def step(row, limit, carry, *, size, first):
             out, pre, x = carry
@@ -238,14 +243,8 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
         invariant = lax.optimization_barrier(invariant)
         x, dout, pre, gate_up, down, gate_up_bias, down_bias = invariant
         e = hit[i]
-        if row_kernel:  # the weights stay where they are; rows past the block's count come out zero
-            b2 = _expert(None, down_bias, e)[1]
-            through_down = lambda rows, live: expert_rows.expert_rows_transposed(rows, down, e, live)
-            through_gate_up = lambda rows, live: expert_rows.expert_rows_transposed(rows, gate_up, e, live)
-        else:
-            (w1, _), (w2, b2) = _expert(gate_up, None, e), _expert(down, down_bias, e)
-            through_down = lambda rows, live: _dot(rows, w2, (1, 0))
-            through_gate_up = lambda rows, live: _dot(rows, w1, (1, 0))
+        b2 = _expert(None, down_bias, e)[1]
+        through_down, through_gate_up = (_through(w, e, row_kernel, transposed=True) for w in (down, gate_up))
 
         def step(row, limit, carry, *, size, first):
             dx, dweights, acc, rows = carry

@@ -37,6 +37,28 @@ def fresh_state():
     native.warn_once.cache_clear()
 
 
+def _assert_rows_match_float64(way, B, inner, N, K, E, count, transposed, monkeypatch):
+    """expert_rows (x [B, K] @ w[e].T) or expert_rows_transposed (x [B, N] @ w[e]) on w [E, N, K], the weights read
+    in place, against float64: float32 sums of the exact bfloat16 products, zeros from row ``count`` on."""
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
+    if way == "amx" and not expert_rows.amx():
+        pytest.skip("the CPU has no AMX")
+    rng = np.random.default_rng(B * (K if transposed else N) + count)
+    x = jnp.asarray(rng.standard_normal((B, inner)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((E, N, K)), jnp.bfloat16)
+    e = E - 1
+    kernel = expert_rows.expert_rows_transposed if transposed else expert_rows.expert_rows
+    call = jax.jit(lambda a, b: kernel(a, b, e, count))  # traced here: the way is read at tracing
+    got = np.asarray(call(x, w))
+    weights = np.asarray(w[e], np.float64)
+    want = np.asarray(x, np.float64)[:count] @ (weights if transposed else weights.T)
+    assert got.shape == (B, K if transposed else N) and got.dtype == np.float32
+    assert not got[count:].any()  # the rows past count: zeros, not what the buffer held
+    if count:
+        err = np.linalg.norm(got[:count] - want) / np.linalg.norm(want)
+        assert err < 1e-6, err
+
+
 # B x rows, K, N weight rows, E experts, count: the AMX tiles with a tail of weight rows (under 16) and several
 # passes over x's tiles (2, 2, 1), a k width off the tiles' 32 (the AVX512 way throughout), no rows, one row
 @pytest.mark.parametrize("B, K, N, E, count", [(8, 1024, 768, 4, 3), (70, 64, 200, 2, 70), (40, 96, 70, 3, 37),
@@ -44,21 +66,7 @@ def fresh_state():
 @pytest.mark.parametrize("way", list(WAYS))
 @needs_kernel
 def test_row_kernel_matches_float64(way, B, K, N, E, count, monkeypatch):
-    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
-    if way == "amx" and not expert_rows.amx():
-        pytest.skip("the CPU has no AMX")
-    rng = np.random.default_rng(B * N + count)
-    x = jnp.asarray(rng.standard_normal((B, K)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((E, N, K)), jnp.bfloat16)
-    e = E - 1
-    call = jax.jit(lambda a, b: expert_rows.expert_rows(a, b, e, count))  # traced here: the way is read at tracing
-    got = np.asarray(call(x, w))
-    want = np.asarray(x, np.float64)[:count] @ np.asarray(w[e], np.float64).T
-    assert got.shape == (B, N) and got.dtype == np.float32
-    assert not got[count:].any()  # the rows past count: zeros, not what the buffer held
-    if count:
-        err = np.linalg.norm(got[:count] - want) / np.linalg.norm(want)
-        assert err < 1e-6, err  # float32 sums of exact bfloat16 products
+    _assert_rows_match_float64(way, B, K, N, K, E, count, False, monkeypatch)
 
 
 # B rows, K, N, T token rows, count: AMX tiles with a tail of weight rows and several x tiles, a k width off 32
@@ -108,21 +116,7 @@ def test_row_kernel_add_refuses_a_token_row_out_of_range():
 def test_row_kernel_transposed_matches_float64(way, B, N, K, E, count, monkeypatch):
     """expert_rows_transposed: x [B, N] times w[e] [N, K] (not transposed), the weights read in place; float32
     sums of the exact bfloat16 products, zeros from row count on."""
-    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
-    if way == "amx" and not expert_rows.amx():
-        pytest.skip("the CPU has no AMX")
-    rng = np.random.default_rng(B * K + count)
-    x = jnp.asarray(rng.standard_normal((B, N)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((E, N, K)), jnp.bfloat16)
-    e = E - 1
-    call = jax.jit(lambda a, b: expert_rows.expert_rows_transposed(a, b, e, count))  # the way is read at tracing
-    got = np.asarray(call(x, w))
-    want = np.asarray(x, np.float64)[:count] @ np.asarray(w[e], np.float64)
-    assert got.shape == (B, K) and got.dtype == np.float32
-    assert not got[count:].any()
-    if count:
-        err = np.linalg.norm(got[:count] - want) / np.linalg.norm(want)
-        assert err < 1e-6, err
+    _assert_rows_match_float64(way, B, N, N, K, E, count, True, monkeypatch)
 
 
 @pytest.mark.parametrize("x_shape, x_dtype, w_dtype, message", [
