@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from moe_shared import ArrayInfo, native
 
+from . import expert_rows
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,  # erf form
@@ -340,6 +342,17 @@ def combine_grads(grad: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, em
         if empty is not None:
             grad_weights = grad_weights.masked_fill_(empty, 0)  # a fresh tensor: no copy first
     return grad_y, grad_weights
+
+
+def combine_sorted(y: torch.Tensor, order: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """``combine`` of rows in expert order (``order``: the slot of each sorted row), where nothing takes gradients.
+    On the CPU in bfloat16 the row library's ``combine_slots`` reads each slot's row where it lies (one pass, the
+    same bits), else the rows go back to slot order first."""
+    weights = top_k_weights.reshape(slots.T, slots.k)
+    if expert_rows.combines(y, order, weights, out_dtype):
+        return expert_rows.combine_slots(y, order, slots.empty, weights, out_dtype)
+    return combine(unsort_rows(y, order), slots, top_k_weights, out_dtype)
 
 
 def combine(y: torch.Tensor, slots: Slots, top_k_weights: torch.Tensor, out_dtype: torch.dtype,

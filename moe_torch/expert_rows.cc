@@ -1,26 +1,33 @@
-// moe_grouped_rows (C ABI, called through ctypes): moe_shared's CPU row kernel (expert_rows.h) over a list of
-// groups of one [E, N, K] bfloat16 weight tensor, each group `rows[g]` rows of x [*, K] from row x_row[g] times
-// weights[expert[g]] transposed, into float32 out [*, N] from row out_row[g]. The groups' chunks are taken by the
-// calling thread and by up to threads - 1 workers of this library's own pool (started at the first call that asks
-// for them, then waiting on a condition variable). Returns 0, or 1 where AMX was asked for and the kernel refused
-// it.
+// The C ABI of the row kernel's library for torch (called through ctypes):
+// - moe_grouped_rows: moe_shared's CPU row kernel (expert_rows.h) over a list of groups of one [E, N, K] bfloat16
+//   weight tensor, each group `rows[g]` rows of x [*, K] from row x_row[g] times weights[expert[g]] transposed, into
+//   float32 out [*, N] from row out_row[g]. Returns 0, or 1 where AMX was asked for and the kernel refused it.
+// - moe_combine_slots: the weighted combine of slot_rows.h, reading rows in expert order where they lie.
+// Each call's chunks are taken by the calling thread and by up to threads - 1 workers of this library's own pool
+// (started at the first call that asks for them, then waiting on a condition variable).
+#include <algorithm>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "expert_rows.h"
+#include "slot_rows.h"
 
 namespace {
 
 class Pool {
  public:
-  void Run(const std::shared_ptr<moe_rows::Job>& job, int threads) {
+  // Job: chunks(), Run() (takes chunks until none is left), Wait() (until every chunk is done)
+  template <class Job>
+  void Run(const std::shared_ptr<Job>& job, int threads) {
     if (threads > 1 && job->chunks() > 1) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         while (static_cast<int>(workers_.size()) < threads - 1) workers_.emplace_back([this] { Work(); });
-        job_ = job;
+        work_ = [job] { job->Run(); };
         wanted_ = threads - 1;
         ++generation_;
       }
@@ -34,22 +41,22 @@ class Pool {
   void Work() {
     uint64_t seen = 0;
     for (;;) {
-      std::shared_ptr<moe_rows::Job> job;
+      std::function<void()> work;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return generation_ != seen && wanted_ > 0; });
         seen = generation_;
         --wanted_;
-        job = job_;
+        work = work_;
       }
-      job->Run();  // a worker that wakes late finds no chunk left
+      work();  // a worker that wakes late finds no chunk left
     }
   }
 
   std::mutex mutex_;
   std::condition_variable wake_;
   std::vector<std::thread> workers_;
-  std::shared_ptr<moe_rows::Job> job_;
+  std::function<void()> work_;
   uint64_t generation_ = 0;
   int wanted_ = 0;
 };
@@ -72,4 +79,17 @@ extern "C" int moe_grouped_rows(const uint16_t* x, int64_t x_stride, const uint1
   if (!job->Prepare(std::move(list), {N, K}, amx != 0)) return 1;
   ThePool().Run(job, threads);
   return 0;
+}
+
+extern "C" void moe_combine_slots(const uint16_t* y, int64_t y_stride, const int64_t* order, const bool* empty,
+                                  const uint16_t* weights, void* out, int out_float32, int64_t T, int64_t k, int64_t H,
+                                  int threads) {
+  auto row = std::make_shared<std::vector<int64_t>>(T * k);
+  moe_rows::SlotRows(order, empty, T * k, row->data());
+  const moe_rows::CombineArgs args{y, y_stride, row->data(), weights, out, out_float32 != 0, T, k, H};
+  const int64_t per_chunk = moe_rows::RowsPerChunk(H * (out_float32 ? 4 : 2));
+  auto job = std::make_shared<moe_rows::ChunkJob>((T + per_chunk - 1) / per_chunk, [args, per_chunk, row](int64_t c) {
+    moe_rows::CombineChunk(args, c * per_chunk, std::min(args.T, (c + 1) * per_chunk));
+  });
+  ThePool().Run(job, threads);
 }

@@ -34,8 +34,13 @@ PROFILER_NAME = "moe_torch::expert_rows"
 # at T=512 (64 rows per expert), 57-59 against 54-56 at T=1024 (128); without AMX as for moe_jax (its AVX512 way
 # not measured against torch.mm)
 MEAN_ROWS = {True: 128, False: 8}
-_LIBRARY: list = []
+_LIBRARY: dict[str, ctypes._CFuncPtr] = {}
 _INDEX = ctypes.POINTER(ctypes.c_int64)
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ENTRIES = {  # name: (result, arguments)
+    "moe_grouped_rows": (_INT, [_P, _I64, _P, _P, _I64, _I64, _I64, _INDEX, _INDEX, _INDEX, _INDEX, _INT, _INT]),
+    "moe_combine_slots": (None, [_P, _I64, _P, _P, _P, _P, _INT, _I64, _I64, _I64, _INT]),
+}
 
 
 @cache
@@ -43,11 +48,10 @@ def unavailable() -> str | None:
     """Why the row kernel cannot run on this host (None: it is built and loaded)."""
     library, reason = native.load(SOURCE, key="c-abi")
     if library is not None:
-        entry = library.moe_grouped_rows
-        entry.restype = ctypes.c_int
-        entry.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                          ctypes.c_int64, ctypes.c_int64, _INDEX, _INDEX, _INDEX, _INDEX, ctypes.c_int, ctypes.c_int]
-        _LIBRARY.append(entry)
+        for name, (result, arguments) in _ENTRIES.items():
+            entry = getattr(library, name)
+            entry.restype, entry.argtypes = result, arguments
+            _LIBRARY[name] = entry
     return reason
 
 
@@ -108,8 +112,38 @@ def grouped_rows(x: torch.Tensor, table: torch.Tensor, out_rows: int, x_row: Seq
         return out
     arrays = [(ctypes.c_int64 * groups)(*values) for values in (x_row, out_row, rows, expert)]
     with torch.profiler.record_function(PROFILER_NAME):  # what the profiler shows (ctypes calls are not ops)
-        refused = _LIBRARY[0](x.data_ptr(), x.stride(0), table.data_ptr(), out.data_ptr(), N, K, groups, *arrays,
+        refused = _LIBRARY["moe_grouped_rows"](x.data_ptr(), x.stride(0), table.data_ptr(), out.data_ptr(), N, K, groups, *arrays,
                               int(amx()), torch.get_num_threads())
     if refused:
         raise RuntimeError("moe_torch's CPU row kernel: the kernel refused AMX tile data")
+    return out
+
+
+def combines(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether ``combine_slots`` takes these, in eager mode: bfloat16 CPU rows with unit column stride, int64 order,
+    bfloat16 weights (each product exact in float32), a bfloat16 or float32 output, nothing that autograd
+    differentiates, the library enabled."""
+    return (y.device.type == "cpu" and y.dtype == weights.dtype == torch.bfloat16 and y.dim() == 2
+            and order.dtype == torch.int64 and order.numel() == y.shape[0]
+            and y.stride(-1) == 1 and out_dtype in (torch.bfloat16, torch.float32)
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad)) and enabled())
+
+
+def combine_slots(y: torch.Tensor, order: torch.Tensor, empty: torch.Tensor | None, weights: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in ``out_dtype``: sum_j weights[t, j] * (the row of y holding slot t * k + j) for weights [T, k], where
+    ``order`` (int64 [T * k], a permutation) is the slot of each row of y; in float32 in slot order from the first
+    slot's product, rounded once; a slot with ``empty`` (bool [T * k], or None) set adds +0 (``slot_rows.h``). The
+    same bits as ``base.sum_over_k`` on the rows in slot order. Call where ``combines(y, weights, out_dtype)``."""
+    T, k = weights.shape
+    order, weights = order.contiguous(), weights.contiguous()
+    empty = None if empty is None else empty.contiguous()
+    out = torch.empty(T, y.shape[1], dtype=out_dtype)
+    if out.numel():
+        with torch.profiler.record_function("moe_torch::combine_slots"):
+            _LIBRARY["moe_combine_slots"](y.data_ptr(), y.stride(0), order.data_ptr(),
+                                          None if empty is None else empty.data_ptr(), weights.data_ptr(),
+                                          out.data_ptr(), int(out_dtype == torch.float32), T, k, y.shape[1],
+                                          torch.get_num_threads())
     return out

@@ -1,4 +1,4 @@
-"""The CPU row kernel's builds (``kernels/expert_rows.h``, one binding per framework): compiled on the user's
+"""The CPU row kernel's builds (``kernels/expert_rows.h`` and ``kernels/slot_rows.h``, one binding per framework): compiled on the user's
 machine at first use with the host's C++ compiler (``$CXX``, else ``c++``) into ``$MOE_EXPERTS_CACHE`` (default
 ``~/.cache/moe_experts``), cached by source, flags, compiler and the binding's own key (its framework's version).
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
-KERNEL_DIR = Path(__file__).with_name("kernels")  # expert_rows.h
+KERNEL_DIR = Path(__file__).with_name("kernels")  # expert_rows.h, slot_rows.h
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # as /proc/cpuinfo spells them
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # -ffp-contract=off: products and sums rounded as written, never fused (expert_rows_add gives XLA's scatter-add bits)
@@ -77,7 +77,7 @@ def _build(compiler: str, source: Path, include_dirs: Sequence[str], key: str) -
     """The shared library, compiled once per source, header, flags, compiler and key (RuntimeError when it
     fails)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    texts = [source.read_text(), (KERNEL_DIR / "expert_rows.h").read_text()]
+    texts = [source.read_text(), *(header.read_text() for header in sorted(KERNEL_DIR.glob("*.h")))]
     digest = hashlib.sha256("\0".join([*texts, *COMPILE_FLAGS, compiler, version, key]).encode()).hexdigest()[:16]
     library = _cache_dir() / f"{source.stem}-{digest}.so"
     if library.exists():

@@ -419,6 +419,60 @@ def test_torch_backends_run_the_row_kernel(backend, monkeypatch):
             assert_close(f"grad_{n}", g.double().numpy(), expected[n], name)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("T, k, H", [(0, 2, 16), (1, 8, 1024), (37, 3, 70), (300, 8, 200)])
+@needs_torch_kernel
+def test_torch_combine_slots_gives_the_bits_of_the_slot_order_sum(T, k, H, threads, monkeypatch):
+    """combine_slots reads rows in another order (a permutation, rows strided past H) and gives the bits of
+    base.sum_over_k on the rows in slot order, into bfloat16 and float32; empty slots add nothing though their rows
+    hold NaN; H off 16 takes the masked tail."""
+    from moe_torch.base import sum_over_k
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(T + k + H)
+    in_slot_order = torch.randn(T * k, H, generator=gen).bfloat16()
+    weights = torch.rand(T, k, generator=gen).bfloat16()
+    empty = torch.rand(T * k, generator=gen) < 0.2
+    in_slot_order[empty] = float("nan")
+    order = torch.randperm(T * k, generator=gen)  # the slot of each stored row
+    stored = torch.full((T * k, H + 8), 7.0, dtype=torch.bfloat16)[:, :H]
+    stored[:] = in_slot_order[order]
+    want = sum_over_k(in_slot_order.view(T, k, H), weights, empty.view(T, k))
+    for dtype in (torch.bfloat16, torch.float32):
+        got = torch_rows.combine_slots(stored, order, empty, weights, dtype)
+        assert got.dtype == dtype and got.shape == (T, H)
+        assert torch.equal(got, want.to(dtype)), dtype
+
+
+@needs_torch_kernel
+def test_grouped_mm_combines_its_sorted_rows_on_the_row_library(monkeypatch):
+    """grouped_mm's bfloat16 inference on the CPU sums each token's slots from the down projection's rows in expert
+    order (one moe_torch::combine_slots call, no copy back to slot order), with the bits of the copy-then-sum path
+    (MOE_TORCH_ROW_KERNEL=off, the same F.grouped_mm at this many rows per expert); float32 routing weights and
+    training take the copy path. Within the tolerance table each way."""
+    arrays = random_case(25, T=300, H=64, I=32, E=2, k=2, bias=False, empty_fraction=0.1)[0]
+    expected = reference.experts_forward(**arrays, activation="silu")
+
+    def run(setting, weights_dtype=torch.bfloat16, train=False):
+        monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", setting)
+        values = {n: torch.from_numpy(np.ascontiguousarray(a)) if n == "top_k_index" else
+                  torch.from_numpy(np.ascontiguousarray(a)).bfloat16().requires_grad_(train)
+                  for n, a in arrays.items()}
+        values["top_k_weights"] = values["top_k_weights"].detach().to(weights_dtype).requires_grad_(train)
+        result = {}
+        ops = _torch_ops(lambda: result.setdefault("out", torch_experts_forward(**values, implementation="grouped_mm")))
+        assert ops.get(torch_rows.PROFILER_NAME, 0) == 0  # 300 rows per expert: F.grouped_mm either way
+        out = result["out"].detach()
+        assert_close("out", out.double().numpy(), expected, "bfloat16")
+        return ops.get("moe_torch::combine_slots", 0), out
+
+    (fused, out), (copied, out_off) = run("auto"), run("off")
+    assert (fused, copied) == (1, 0)
+    assert torch.equal(out, out_off)
+    assert run("auto", weights_dtype=torch.float32)[0] == 0
+    assert run("auto", train=True)[0] == 0
+
+
 @needs_torch_kernel
 def test_torch_row_kernel_takes_few_rows_per_expert_only(monkeypatch):
     """A grouped matmul runs on the kernel under MEAN_ROWS rows per expert with rows (idle experts not counted);

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import expert_rows
-from ..base import (RowGather, Slots, TokenRows, combine, empty_on_huge_pages, expert_ends, gate, sort_by_expert,
-                    takes_grad, unsort_rows)
+from ..base import (RowGather, Slots, TokenRows, combine, combine_sorted, empty_on_huge_pages, expert_ends, gate,
+                    sort_by_expert, takes_grad)
 
 NAME = "grouped_mm"
 # F.grouped_mm's dtypes per device that pass every shared vector of that dtype (on CUDA float32 and float16 checked
@@ -265,4 +265,4 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
         y = y + _ExpertRows.gather(down_bias, sorted_ids)
     if differentiated:  # back to slot order through a gather whose backward scatters nothing
         return combine(_Permute.gather(y, restore, order), slots, top_k_weights, hidden_states.dtype)
-    return combine(unsort_rows(y, order), slots, top_k_weights, hidden_states.dtype)
+    return combine_sorted(y, order, slots, top_k_weights, hidden_states.dtype)
