@@ -37,7 +37,6 @@ def device_class(device: torch.device) -> str:
 
 
 _HUGE_PAGE = 2 << 20
-HUGE_PAGES_FROM_BYTES = native.HUGE_PAGES_FROM_BYTES
 
 
 @functools.cache
@@ -56,10 +55,13 @@ def _madvise() -> Callable | None:
 
 def empty_on_huge_pages(like: torch.Tensor, *shape: int) -> torch.Tensor:
     """``like.new_empty(shape)``; on the CPU a large buffer's whole 2 MB pages are marked for transparent huge pages
-    before anything touches them (fewer first-touch faults; a hint the OS may ignore, the contents are the same)."""
+    before anything touches them (fewer first-touch faults; a hint the OS may ignore, the contents are the same),
+    unless ``MOE_EXPERTS_HUGE_PAGES=0`` (``native.huge_pages_from_bytes``)."""
     out = like.new_empty(shape)
-    madvise = _madvise()
-    if out.device.type == "cpu" and out.nbytes >= HUGE_PAGES_FROM_BYTES and madvise is not None:
+    if out.device.type != "cpu":
+        return out
+    from_bytes, madvise = native.huge_pages_from_bytes(), _madvise()
+    if from_bytes is not None and out.nbytes >= from_bytes and madvise is not None:
         start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
         end = (out.data_ptr() + out.nbytes) // _HUGE_PAGE * _HUGE_PAGE
         madvise(start, end - start, mmap.MADV_HUGEPAGE)

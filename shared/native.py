@@ -33,6 +33,18 @@ MODES = ("auto", "on", "off")
 # expert; 15 ms in memory touched before): the first touch of each page is a fault. glibc gives allocations of 32 MB
 # and more (its largest mmap threshold) a mapping of their own, so the hint reaches no other allocation's memory.
 HUGE_PAGES_FROM_BYTES = 32 << 20
+# The advice trades a faster median for rare long stalls on some hosts (README, "CPU"): MOE_EXPERTS_HUGE_PAGES=0
+# turns it off in both bindings
+HUGE_PAGES_VARIABLE = "MOE_EXPERTS_HUGE_PAGES"
+
+
+def huge_pages_from_bytes() -> int | None:
+    """The buffer size from which the bindings ask for transparent huge pages, or None where
+    ``MOE_EXPERTS_HUGE_PAGES`` is ``0`` (default ``1``: HUGE_PAGES_FROM_BYTES)."""
+    value = os.environ.get(HUGE_PAGES_VARIABLE, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{HUGE_PAGES_VARIABLE}: expected '0' or '1', got {value!r}")
+    return HUGE_PAGES_FROM_BYTES if value == "1" else None
 
 
 def mode(variable: str) -> str:

@@ -249,8 +249,16 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
         hlo = call.lower(diff, g).compile().as_text()
         calls = hlo.count('custom_call_target="moe_expert_rows_transposed"')
         assert calls == (2 * (len(block_sizes) + 1) if runs else 0), (setting, dtype, calls)
-        # the two weight gradients start as zeros on huge pages where the kernel runs
+        # the two weight gradients start as zeros on huge pages where the kernel runs (plain zeros with the advice
+        # off, the same bits)
         assert hlo.count('custom_call_target="moe_zeros_on_huge_pages"') == (2 if runs else 0), (setting, dtype)
+        if runs:
+            monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "0")
+            plain = jax.jit(lambda d, y: forward_and_grads(d, y))  # a new function: traced again
+            assert 'moe_zeros_on_huge_pages' not in plain.lower(diff, g).compile().as_text()
+            for n, grad in plain(diff, g)[1].items():
+                np.testing.assert_array_equal(np.asarray(grad), np.asarray(call(diff, g)[1][n]), err_msg=n)
+            monkeypatch.delenv("MOE_EXPERTS_HUGE_PAGES")
         dots = {(int(a), int(b)) for a, b in re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", hlo)}
         assert (dots <= weight_gradients) == runs, (setting, dtype, dots)
         out, grads = call(diff, g)
