@@ -17,7 +17,7 @@ computes is differentiated by autograd; under torch.compile grouped_mm reaches i
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -34,7 +34,7 @@ PROFILER_NAME = "moe_torch::expert_rows"
 # at T=512 (64 rows per expert), 57-59 against 54-56 at T=1024 (128); without AMX as for moe_jax (its AVX512 way
 # not measured against torch.mm)
 MEAN_ROWS = {True: 128, False: 8}
-_LIBRARY: dict[str, ctypes._CFuncPtr] = {}
+_LIBRARY: dict[str, Callable[..., int | None]] = {}  # entry name: its ctypes function
 _INDEX = ctypes.POINTER(ctypes.c_int64)
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ENTRIES = {  # name: (result, arguments)
@@ -112,8 +112,8 @@ def grouped_rows(x: torch.Tensor, table: torch.Tensor, out_rows: int, x_row: Seq
         return out
     arrays = [(ctypes.c_int64 * groups)(*values) for values in (x_row, out_row, rows, expert)]
     with torch.profiler.record_function(PROFILER_NAME):  # what the profiler shows (ctypes calls are not ops)
-        refused = _LIBRARY["moe_grouped_rows"](x.data_ptr(), x.stride(0), table.data_ptr(), out.data_ptr(), N, K, groups, *arrays,
-                              int(amx()), torch.get_num_threads())
+        refused = _LIBRARY["moe_grouped_rows"](x.data_ptr(), x.stride(0), table.data_ptr(), out.data_ptr(), N, K,
+                                               groups, *arrays, int(amx()), torch.get_num_threads())
     if refused:
         raise RuntimeError("moe_torch's CPU row kernel: the kernel refused AMX tile data")
     return out
@@ -135,7 +135,8 @@ def combine_slots(y: torch.Tensor, order: torch.Tensor, empty: torch.Tensor | No
     """[T, H] in ``out_dtype``: sum_j weights[t, j] * (the row of y holding slot t * k + j) for weights [T, k], where
     ``order`` (int64 [T * k], a permutation) is the slot of each row of y; in float32 in slot order from the first
     slot's product, rounded once; a slot with ``empty`` (bool [T * k], or None) set adds +0 (``slot_rows.h``). The
-    same bits as ``base.sum_over_k`` on the rows in slot order. Call where ``combines(y, weights, out_dtype)``."""
+    same bits as ``base.sum_over_k`` on the rows in slot order. Call where ``combines(y, order, weights,
+    out_dtype)``."""
     T, k = weights.shape
     order, weights = order.contiguous(), weights.contiguous()
     empty = None if empty is None else empty.contiguous()

@@ -1,10 +1,10 @@
 // The weighted combine of an MoE's down projection on the CPU, for the bindings of the row kernel's library:
 // out[t] = sum_j w[t, j] * y[row[t * k + j]] over a token's k slots, reading the rows where they lie in expert
-// order (no copy back to slot order first; SlotRows inverts the sort's order into `row`). bfloat16 y and weights: each product is exact in float32, and the sum
-// runs in float32 in slot order from the first slot's product, then is rounded once to the output (bfloat16 ties
-// to even, or float32), as a torch multiply-add loop over j does. A slot whose row is negative is empty: its term
-// is +0 whatever y and its weight hold. Tokens are split into chunks that any number of threads take from an
-// atomic counter (ChunkJob).
+// order (no copy back to slot order first; SlotRows inverts the sort's order into `row`). bfloat16 y and weights:
+// each product is exact in float32, and the sum runs in float32 in slot order from the first slot's product, then
+// is rounded once to the output (bfloat16 ties to even, or float32), as a torch multiply-add loop over j does. A
+// slot whose row is negative is empty: its term is +0 whatever y and its weight hold. Tokens are split into chunks
+// that any number of threads take from an atomic counter (ChunkJob).
 #pragma once
 
 #include <atomic>
