@@ -3,6 +3,7 @@
 //   weight tensor, each group `rows[g]` rows of x [*, K] from row x_row[g] times weights[expert[g]] transposed, into
 //   float32 out [*, N] from row out_row[g]. Returns 0, or 1 where AMX was asked for and the kernel refused it.
 // - moe_combine_slots: the weighted combine of slot_rows.h, reading rows in expert order where they lie.
+// - moe_zero_bytes: zero_pages.h's zeros (a large range's whole pages released rather than written).
 // Each call's chunks are taken by the calling thread and by up to threads - 1 workers of this library's own pool
 // (started at the first call that asks for them, then waiting on a condition variable).
 #include <algorithm>
@@ -15,6 +16,7 @@
 
 #include "expert_rows.h"
 #include "slot_rows.h"
+#include "zero_pages.h"
 
 namespace {
 
@@ -93,3 +95,5 @@ extern "C" void moe_combine_slots(const uint16_t* y, int64_t y_stride, const int
   });
   ThePool().Run(job, threads);
 }
+
+extern "C" void moe_zero_bytes(void* data, int64_t bytes) { moe_rows::ZeroBytes(data, static_cast<size_t>(bytes)); }

@@ -40,6 +40,7 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ENTRIES = {  # name: (result, arguments)
     "moe_grouped_rows": (_INT, [_P, _I64, _P, _P, _I64, _I64, _I64, _INDEX, _INDEX, _INDEX, _INDEX, _INT, _INT]),
     "moe_combine_slots": (None, [_P, _I64, _P, _P, _P, _P, _INT, _I64, _I64, _I64, _INT]),
+    "moe_zero_bytes": (None, [_P, _I64]),
 }
 
 
@@ -148,3 +149,14 @@ def combine_slots(y: torch.Tensor, order: torch.Tensor, empty: torch.Tensor | No
                                           out.data_ptr(), int(out_dtype == torch.float32), T, k, y.shape[1],
                                           torch.get_num_threads())
     return out
+
+
+def zero_(t: torch.Tensor) -> torch.Tensor:
+    """``t.zero_()``; for a contiguous CPU tensor, from the library where it is enabled: a large one's whole pages
+    are released rather than written (``zero_pages.h``: they read as zeros and take memory again only where
+    written; the idle experts' rows of a weight gradient cost no writes)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or torch.compiler.is_compiling() or not enabled():
+        return t.zero_()
+    if t.numel():
+        _LIBRARY["moe_zero_bytes"](t.data_ptr(), t.nbytes)
+    return t

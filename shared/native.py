@@ -1,4 +1,4 @@
-"""The CPU row kernel's builds (``kernels/expert_rows.h`` and ``kernels/slot_rows.h``, one binding per framework):
+"""The CPU row kernel's builds (``kernels/expert_rows.h``, ``slot_rows.h``, ``zero_pages.h``; one binding per framework):
 compiled on the user's machine at first use with the host's C++ compiler (``$CXX``, else ``c++``) into
 ``$MOE_EXPERTS_CACHE`` (default ``~/.cache/moe_experts``), cached by source, every kernel header, flags, compiler
 and the binding's own key (its framework's version).
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
-KERNEL_DIR = Path(__file__).with_name("kernels")  # expert_rows.h, slot_rows.h
+KERNEL_DIR = Path(__file__).with_name("kernels")  # expert_rows.h, slot_rows.h, zero_pages.h
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # as /proc/cpuinfo spells them
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # -ffp-contract=off: products and sums rounded as written, never fused (expert_rows_add gives XLA's scatter-add bits)

@@ -6,6 +6,7 @@ transposed mode, and the reasons it gives where it cannot run."""
 
 from __future__ import annotations
 
+import mmap
 import re
 import warnings
 
@@ -249,13 +250,14 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
         hlo = call.lower(diff, g).compile().as_text()
         calls = hlo.count('custom_call_target="moe_expert_rows_transposed"')
         assert calls == (2 * (len(block_sizes) + 1) if runs else 0), (setting, dtype, calls)
-        # the two weight gradients start as zeros on huge pages where the kernel runs (plain zeros with the advice
-        # off, the same bits)
+        # the two weight gradients start as zeros on huge pages where the kernel runs (with the advice off, the
+        # same zeros asking for no huge pages: the same bits)
         assert hlo.count('custom_call_target="moe_zeros_on_huge_pages"') == (2 if runs else 0), (setting, dtype)
         if runs:
             monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "0")
             plain = jax.jit(lambda d, y: forward_and_grads(d, y))  # a new function: traced again
-            assert 'moe_zeros_on_huge_pages' not in plain.lower(diff, g).compile().as_text()
+            assert hlo.count("from_bytes = -1") == 0
+            assert plain.lower(diff, g).compile().as_text().count("from_bytes = -1") == 2
             for n, grad in plain(diff, g)[1].items():
                 np.testing.assert_array_equal(np.asarray(grad), np.asarray(call(diff, g)[1][n]), err_msg=n)
             monkeypatch.delenv("MOE_EXPERTS_HUGE_PAGES")
@@ -450,6 +452,33 @@ def test_torch_combine_slots_gives_the_bits_of_the_slot_order_sum(T, k, H, threa
         got = torch_rows.combine_slots(stored, order, empty, weights, dtype)
         assert got.dtype == dtype and got.shape == (T, H)
         assert torch.equal(got, want.to(dtype)), dtype
+
+
+@needs_torch_kernel
+def test_torch_zero_releases_pages_of_anonymous_memory_only(tmp_path):
+    """expert_rows.zero_ gives zeros on written memory, large (whole pages released, partial pages at both ends
+    written: the slice starts mid-page) and small; on a private file mapping, where released pages would read the
+    file again, it writes the zeros (the lookup in /proc/self/maps), and the file is left as it was."""
+    big = torch.full((6 << 20,), 3, dtype=torch.uint8)
+    part = big[1000:-1000]  # unaligned ends
+    assert torch_rows.zero_(part) is part
+    assert not part.any() and (big[:1000] == 3).all() and (big[-1000:] == 3).all()
+    again = torch.full((6 << 20,), 5, dtype=torch.uint8)  # memory that may be the first one's, written again
+    assert not torch_rows.zero_(again).any()
+    small = torch.full((3, 5), 2.0)
+    assert not torch_rows.zero_(small).any()
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x07" * (8 << 20))
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes stay in this process
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the buffer is writable: frombuffer's warning is for read-only ones
+            view = torch.frombuffer(mapped, dtype=torch.uint8)
+        torch_rows.zero_(view[4096:])
+        assert not view[4096:].any() and (view[:4096] == 7).all()
+        del view
+        mapped.close()
+    assert path.read_bytes() == b"\x07" * (8 << 20)
 
 
 @needs_torch_kernel

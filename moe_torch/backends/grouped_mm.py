@@ -100,14 +100,14 @@ def _weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, num_ex
     for e, end in enumerate(offs.tolist()):  # one host sync for the whole loop
         if end > start:
             if idle_from is not None:
-                out[idle_from:e].zero_()
+                expert_rows.zero_(out[idle_from:e])
                 idle_from = None
             torch.mm(grad[start:end].T, a[start:end], out=out[e])
         elif idle_from is None:
             idle_from = e
         start = end
     if idle_from is not None:
-        out[idle_from:].zero_()
+        expert_rows.zero_(out[idle_from:])
     return out
 
 

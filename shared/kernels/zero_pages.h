@@ -1,0 +1,62 @@
+// Zeros for large CPU buffers, for the bindings of the row kernel's library. A fresh weight gradient is mostly the
+// zero rows of idle experts, and writing them costs a page fault and a kernel-side clear for every 4 KB, then the
+// write itself. ZeroBytes instead releases the whole pages of the range (madvise MADV_DONTNEED), which then read as
+// zeros and take memory again only where something writes them; only the partial pages at its ends are written.
+// That holds for private anonymous memory only (a file mapping would read the file back), so the range's mappings
+// are looked up in /proc/self/maps first, and anything else is written with memset.
+#pragma once
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+namespace moe_rows {
+
+constexpr size_t kReleaseFromBytes = size_t{4} << 20;  // smaller ranges are written (the lookup costs more)
+
+// Whether [begin, end) lies in consecutive private anonymous mappings of this process (no file, not shared)
+inline bool PrivateAnonymous(uintptr_t begin, uintptr_t end) {
+  FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return false;
+  char line[4096];
+  uintptr_t covered = begin;  // [begin, covered) is known to be private anonymous
+  bool broken = false;
+  while (!broken && covered < end && std::fgets(line, sizeof line, maps) != nullptr) {
+    unsigned long lo = 0, hi = 0, offset = 0, inode = 0;
+    unsigned major = 0, minor = 0;
+    char perms[8] = {};
+    int path_at = 0;
+    if (std::sscanf(line, "%lx-%lx %7s %lx %x:%x %lu %n", &lo, &hi, perms, &offset, &major, &minor, &inode,
+                    &path_at) < 7)
+      continue;
+    if (hi <= covered) continue;
+    const char* path = line + path_at;
+    const bool anonymous = inode == 0 && perms[3] == 'p' &&
+                           (*path == '\0' || *path == '\n' || std::strncmp(path, "[heap]", 6) == 0);
+    if (lo > covered || !anonymous) {
+      broken = true;
+    } else {
+      covered = hi;
+    }
+  }
+  std::fclose(maps);
+  return !broken && covered >= end;
+}
+
+inline void ZeroBytes(void* data, size_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t start = (begin + page - 1) / page * page, end = (begin + bytes) / page * page;
+  if (bytes < kReleaseFromBytes || end <= start || !PrivateAnonymous(start, end) ||
+      madvise(reinterpret_cast<void*>(start), end - start, MADV_DONTNEED) != 0) {
+    std::memset(data, 0, bytes);
+    return;
+  }
+  std::memset(data, 0, start - begin);
+  std::memset(reinterpret_cast<void*>(end), 0, begin + bytes - end);
+}
+
+}  // namespace moe_rows
