@@ -110,10 +110,9 @@ def expert_rows_transposed(x, weights, expert, count):
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype) -> jax.Array:
     """``jnp.zeros(shape, dtype)`` from the kernel's library: a large result's whole pages are released rather than
     written (``zero_pages.h``: they read as zeros and take memory only where written, so a weight gradient's idle
-    experts cost no writes), and from ``native.HUGE_PAGES_FROM_BYTES`` on its memory is marked for transparent huge
-    pages (XLA's allocator cannot be advised; a fresh weight gradient of qwen3-cpu size otherwise faults once per
-    4 KB page), unless ``MOE_EXPERTS_HUGE_PAGES=0`` at tracing. The kernel's library must be loaded
-    (``enabled()``)."""
+    experts cost no writes); with ``MOE_EXPERTS_HUGE_PAGES=1`` at tracing, from ``native.HUGE_PAGES_FROM_BYTES`` on
+    its memory is marked for transparent huge pages (XLA's allocator cannot be advised; a fresh buffer faults once
+    per 4 KB page where it is written). The kernel's library must be loaded (``enabled()``)."""
     from_bytes = native.huge_pages_from_bytes()
     call = jax.ffi.ffi_call(ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))
     return call(from_bytes=-1 if from_bytes is None else from_bytes)

@@ -54,9 +54,9 @@ def _madvise() -> Callable | None:
 
 
 def empty_on_huge_pages(like: torch.Tensor, *shape: int) -> torch.Tensor:
-    """``like.new_empty(shape)``; on the CPU a large buffer's whole 2 MB pages are marked for transparent huge pages
-    before anything touches them (fewer first-touch faults; a hint the OS may ignore, the contents are the same),
-    unless ``MOE_EXPERTS_HUGE_PAGES=0`` (``native.huge_pages_from_bytes``)."""
+    """``like.new_empty(shape)``; with ``MOE_EXPERTS_HUGE_PAGES=1``, on the CPU a large buffer's whole 2 MB pages are
+    marked for transparent huge pages before anything touches them (fewer first-touch faults; a hint the OS may
+    ignore, the contents are the same; ``native.huge_pages_from_bytes``)."""
     out = like.new_empty(shape)
     if out.device.type != "cpu":
         return out

@@ -29,20 +29,21 @@ AMX_FLAGS = ("amx_tile", "amx_bf16")
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512bf16",
                  "-mamx-tile", "-mamx-bf16", "-ffp-contract=off", "-w")
 MODES = ("auto", "on", "off")
-# CPU buffers from this size on get transparent huge pages (both bindings): a weight gradient of qwen3-cpu's gate/up
-# weights (100 MB, fresh memory every call) took 49 ms to write on 4 KB pages and 28 ms on 2 MB ones (8 rows per
-# expert; 15 ms in memory touched before): the first touch of each page is a fault. glibc gives allocations of 32 MB
-# and more (its largest mmap threshold) a mapping of their own, so the hint reaches no other allocation's memory.
+# With MOE_EXPERTS_HUGE_PAGES=1, CPU buffers from this size on are asked for transparent huge pages (both
+# bindings): a weight gradient of qwen3-cpu's gate/up weights (100 MB, fresh memory every call) took 49 ms to write
+# on 4 KB pages and 28 ms on 2 MB ones (8 rows per expert; 15 ms in memory touched before): the first touch of each
+# page is a fault. glibc gives allocations of 32 MB and more (its largest mmap threshold) a mapping of their own, so
+# the hint reaches no other allocation's memory. Off by default: on the 2-core VMs measured, steps on advised
+# memory were faster at the median but one in ten or so stalled for up to a second (README, "CPU"); the zeros of
+# idle experts' rows need no pages at all since zero_pages.h.
 HUGE_PAGES_FROM_BYTES = 32 << 20
-# The advice trades a faster median for rare long stalls on some hosts (README, "CPU"): MOE_EXPERTS_HUGE_PAGES=0
-# turns it off in both bindings
 HUGE_PAGES_VARIABLE = "MOE_EXPERTS_HUGE_PAGES"
 
 
 def huge_pages_from_bytes() -> int | None:
-    """The buffer size from which the bindings ask for transparent huge pages, or None where
-    ``MOE_EXPERTS_HUGE_PAGES`` is ``0`` (default ``1``: HUGE_PAGES_FROM_BYTES)."""
-    value = os.environ.get(HUGE_PAGES_VARIABLE, "1")
+    """The buffer size from which the bindings ask for transparent huge pages where ``MOE_EXPERTS_HUGE_PAGES`` is
+    ``1``; None where it is ``0`` (the default)."""
+    value = os.environ.get(HUGE_PAGES_VARIABLE, "0")
     if value not in ("0", "1"):
         raise ValueError(f"{HUGE_PAGES_VARIABLE}: expected '0' or '1', got {value!r}")
     return HUGE_PAGES_FROM_BYTES if value == "1" else None

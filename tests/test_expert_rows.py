@@ -250,14 +250,14 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
         hlo = call.lower(diff, g).compile().as_text()
         calls = hlo.count('custom_call_target="moe_expert_rows_transposed"')
         assert calls == (2 * (len(block_sizes) + 1) if runs else 0), (setting, dtype, calls)
-        # the two weight gradients start as zeros on huge pages where the kernel runs (with the advice off, the
-        # same zeros asking for no huge pages: the same bits)
+        # the two weight gradients start as the library's zeros where the kernel runs (asking for huge pages with
+        # MOE_EXPERTS_HUGE_PAGES=1: the same bits)
         assert hlo.count('custom_call_target="moe_zeros_on_huge_pages"') == (2 if runs else 0), (setting, dtype)
         if runs:
-            monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "0")
+            monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "1")
             plain = jax.jit(lambda d, y: forward_and_grads(d, y))  # a new function: traced again
-            assert hlo.count("from_bytes = -1") == 0
-            assert plain.lower(diff, g).compile().as_text().count("from_bytes = -1") == 2
+            assert hlo.count("from_bytes = -1") == 2  # by default no huge pages asked
+            assert plain.lower(diff, g).compile().as_text().count("from_bytes = -1") == 0
             for n, grad in plain(diff, g)[1].items():
                 np.testing.assert_array_equal(np.asarray(grad), np.asarray(call(diff, g)[1][n]), err_msg=n)
             monkeypatch.delenv("MOE_EXPERTS_HUGE_PAGES")
@@ -273,11 +273,14 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
 @pytest.mark.parametrize("shape, dtype", [((3, 5), jnp.bfloat16), ((17,), jnp.float32), ((9, 1024, 1024), jnp.float32),
                                           ((0, 4), jnp.bfloat16)])
 @needs_kernel
-def test_zeros_on_huge_pages_are_zeros(shape, dtype):
-    """moe_zeros_on_huge_pages: zeros of the shape and dtype asked, under and over HUGE_PAGES_FROM_BYTES (36 MB:
-    marked for huge pages first), and for no elements; its memory is whatever XLA's allocator gave (reused
-    buffers included), written through."""
+@pytest.mark.parametrize("huge_pages", ["0", "1"])
+def test_zeros_on_huge_pages_are_zeros(shape, dtype, huge_pages, monkeypatch):
+    """moe_zeros_on_huge_pages: zeros of the shape and dtype asked, under and over the release size and
+    HUGE_PAGES_FROM_BYTES (36 MB: whole pages released, then, with MOE_EXPERTS_HUGE_PAGES=1, marked for huge pages),
+    and for no elements; its memory is whatever XLA's allocator gave (reused buffers written with other values
+    included)."""
     assert 9 * 1024 * 1024 * 4 >= native.HUGE_PAGES_FROM_BYTES
+    monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", huge_pages)
     for _ in range(2):  # the second call may get the first one's freed memory back
         junk = jax.block_until_ready(jnp.full(shape, 7, dtype))
         del junk

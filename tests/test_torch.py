@@ -844,8 +844,9 @@ def _anon_huge_kib(address: int) -> int:
 
 
 def test_large_cpu_buffers_are_marked_for_huge_pages(monkeypatch):
-    """empty_on_huge_pages asks for transparent huge pages on the whole 2 MB pages inside a large buffer (and on
-    nothing under HUGE_PAGES_FROM_BYTES); where the OS has them, the touched buffer then lies in huge pages."""
+    """With MOE_EXPERTS_HUGE_PAGES=1, empty_on_huge_pages asks for transparent huge pages on the whole 2 MB pages
+    inside a large buffer (and on nothing under HUGE_PAGES_FROM_BYTES); where the OS has them, the touched buffer
+    then lies in huge pages. With 0, and by default, it asks for nothing."""
     import mmap
 
     from moe_torch import base
@@ -859,6 +860,7 @@ def test_large_cpu_buffers_are_marked_for_huge_pages(monkeypatch):
         return real(*args) if real is not None else 0
 
     monkeypatch.setattr(base, "_madvise", lambda: recorded)
+    monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "1")
     small = base.empty_on_huge_pages(like, 4, 1024, 2047)  # under native.HUGE_PAGES_FROM_BYTES
     big = base.empty_on_huge_pages(like, 8, 1024, 2048)
     assert small.shape == (4, 1024, 2047) and big.shape == (8, 1024, 2048) and big.dtype == torch.bfloat16
@@ -872,9 +874,13 @@ def test_large_cpu_buffers_are_marked_for_huge_pages(monkeypatch):
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[never]" not in thp.read_text():
         assert _anon_huge_kib(big.data_ptr() + big.nbytes // 2) > 0
-    monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "0")  # the advice off: the same buffer, nothing asked
-    off = base.empty_on_huge_pages(like, 8, 1024, 2048)
-    assert off.shape == big.shape and len(calls) == 1
+    for setting in ("0", None):  # the advice off, and by default: the same buffer, nothing asked
+        if setting is None:
+            monkeypatch.delenv("MOE_EXPERTS_HUGE_PAGES")
+        else:
+            monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", setting)
+        off = base.empty_on_huge_pages(like, 8, 1024, 2048)
+        assert off.shape == big.shape and len(calls) == 1
     monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "yes")
     with pytest.raises(ValueError, match=r"MOE_EXPERTS_HUGE_PAGES: expected '0' or '1', got 'yes'"):
         base.empty_on_huge_pages(like, 8, 1024, 2048)
