@@ -255,10 +255,10 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
         assert hlo.count('custom_call_target="moe_zeros_on_huge_pages"') == (2 if runs else 0), (setting, dtype)
         if runs:
             monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "1")
-            plain = jax.jit(lambda d, y: forward_and_grads(d, y))  # a new function: traced again
+            advised = jax.jit(lambda d, y: forward_and_grads(d, y))  # a new function: traced again
             assert hlo.count("from_bytes = -1") == 2  # by default no huge pages asked
-            assert plain.lower(diff, g).compile().as_text().count("from_bytes = -1") == 0
-            for n, grad in plain(diff, g)[1].items():
+            assert advised.lower(diff, g).compile().as_text().count("from_bytes = -1") == 0
+            for n, grad in advised(diff, g)[1].items():
                 np.testing.assert_array_equal(np.asarray(grad), np.asarray(call(diff, g)[1][n]), err_msg=n)
             monkeypatch.delenv("MOE_EXPERTS_HUGE_PAGES")
         dots = {(int(a), int(b)) for a, b in re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", hlo)}
