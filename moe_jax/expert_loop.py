@@ -280,7 +280,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
             for g, a in zip(grads, acc))
         return i + 1, dx, dweights, grads, acc, (x, dout, pre, gate_up, down, gate_up_bias, down_bias)
 
-    zeros = expert_rows.zeros_on_huge_pages if row_kernel else jnp.zeros
+    zeros = expert_rows.zeros if row_kernel else jnp.zeros
     grads = tuple(None if a is None else zeros(a.shape, a.dtype) for a in (down, gate_up, down_bias, gate_up_bias))
     dx = jnp.zeros(x.shape, jnp.float32)
     dweights = jnp.zeros(weights.shape, jnp.float32)

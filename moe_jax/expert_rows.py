@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("expert_rows.cc")
 TARGET = "moe_expert_rows"
 ADD_TARGET = "moe_expert_rows_add"
 TRANSPOSED_TARGET = "moe_expert_rows_transposed"
-ZEROS_TARGET = "moe_zeros_on_huge_pages"
+ZEROS_TARGET = "moe_zeros"
 VARIABLE = "MOE_JAX_ROW_KERNEL"
 _LOADED: list = []  # the loaded library stays referenced while the process runs
 
@@ -43,7 +43,7 @@ def unavailable() -> str | None:
         jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_add), platform="cpu")
         jax.ffi.register_ffi_target(TRANSPOSED_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_transposed),
                                     platform="cpu")
-        jax.ffi.register_ffi_target(ZEROS_TARGET, jax.ffi.pycapsule(library.moe_zeros_on_huge_pages), platform="cpu")
+        jax.ffi.register_ffi_target(ZEROS_TARGET, jax.ffi.pycapsule(library.moe_zeros), platform="cpu")
         _LOADED.append(library)
     return reason
 
@@ -107,7 +107,7 @@ def expert_rows_transposed(x, weights, expert, count):
     return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), amx=amx())
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype) -> jax.Array:
+def zeros(shape: tuple[int, ...], dtype) -> jax.Array:
     """``jnp.zeros(shape, dtype)`` from the kernel's library: a large result's whole pages are released rather than
     written (``zero_pages.h``: they read as zeros and take memory only where written, so a weight gradient's idle
     experts cost no writes); with ``MOE_EXPERTS_HUGE_PAGES=1`` at tracing, from ``native.HUGE_PAGES_FROM_BYTES`` on

@@ -252,7 +252,7 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
         assert calls == (2 * (len(block_sizes) + 1) if runs else 0), (setting, dtype, calls)
         # the two weight gradients start as the library's zeros where the kernel runs (asking for huge pages with
         # MOE_EXPERTS_HUGE_PAGES=1: the same bits)
-        assert hlo.count('custom_call_target="moe_zeros_on_huge_pages"') == (2 if runs else 0), (setting, dtype)
+        assert hlo.count('custom_call_target="moe_zeros"') == (2 if runs else 0), (setting, dtype)
         if runs:
             monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "1")
             advised = jax.jit(lambda d, y: forward_and_grads(d, y))  # a new function: traced again
@@ -274,8 +274,8 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
                                           ((0, 4), jnp.bfloat16)])
 @needs_kernel
 @pytest.mark.parametrize("huge_pages", ["0", "1"])
-def test_zeros_on_huge_pages_are_zeros(shape, dtype, huge_pages, monkeypatch):
-    """moe_zeros_on_huge_pages: zeros of the shape and dtype asked, under and over the release size and
+def test_library_zeros_are_zeros(shape, dtype, huge_pages, monkeypatch):
+    """moe_zeros: zeros of the shape and dtype asked, under and over the release size and
     HUGE_PAGES_FROM_BYTES (36 MB: whole pages released, then, with MOE_EXPERTS_HUGE_PAGES=1, marked for huge pages),
     and for no elements; its memory is whatever XLA's allocator gave (reused buffers written with other values
     included)."""
@@ -284,7 +284,7 @@ def test_zeros_on_huge_pages_are_zeros(shape, dtype, huge_pages, monkeypatch):
     for _ in range(2):  # the second call may get the first one's freed memory back
         junk = jax.block_until_ready(jnp.full(shape, 7, dtype))
         del junk
-        got = jax.jit(lambda: expert_rows.zeros_on_huge_pages(shape, dtype))()
+        got = jax.jit(lambda: expert_rows.zeros(shape, dtype))()
         assert got.shape == shape and got.dtype == dtype
         assert not np.asarray(got).any()
 
