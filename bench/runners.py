@@ -262,6 +262,7 @@ class TorchRunner(Runner):
     def release(self):
         self.weights = self.sets = self._leaves = None
         if self.device.type == "cuda":
+            moe_torch.graphs.release()  # the decode graphs read these weights and hold their pool's memory
             torch.cuda.empty_cache()
 
     def _forward(self, backend: str) -> Callable:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from moe_shared import check_arguments, check_expert_ids
 from moe_shared.registry import BackendRegistry
+from moe_shared.spec import load_spec
 
-from . import backends
+from . import backends, graphs
 from .base import device_class, dtype_name, info
 
 ExpertsInterface = BackendRegistry("torch")
@@ -18,7 +20,8 @@ for _module in backends.ALL:
 
 _TENSOR_ARGS = ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_bias",
                 "down_bias")
-_CHECKED: dict[tuple, object] = {}  # signatures of calls that passed the argument and requirement checks -> dims
+# signatures of calls that passed the argument and requirement checks -> (dims, whether the call may be a graph)
+_CHECKED: dict[tuple, tuple[object, bool]] = {}
 _CHECKED_MAX = 256
 
 
@@ -77,18 +80,20 @@ def experts_forward(
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     key = _signature(implementation, activation, tensors.values())
-    dims = _CHECKED.get(key) if key is not None else None
-    if dims is None:  # these checks depend only on the signature: done once per signature
+    checked = _CHECKED.get(key) if key is not None else None
+    if checked is None:  # these checks depend only on the signature: done once per signature
         dims = check_arguments(*(info(t) for t in tensors.values()), activation=activation)
         for name, t in tensors.items():
             if t is not None and t.device != hidden_states.device:
                 raise ValueError(f"{name}: expected a tensor on {hidden_states.device} (the device of "
                                  f"hidden_states), got one on {t.device}")
         check_requirements(implementation, gate_up_proj.device, gate_up_proj.dtype)
+        checked = dims, key is not None and _graphable(implementation, activation, gate_up_proj, down_proj, dims)
         if key is not None:
             if len(_CHECKED) >= _CHECKED_MAX:
                 _CHECKED.clear()
-            _CHECKED[key] = dims
+            _CHECKED[key] = checked
+    dims, graphable = checked
     if validate is None:
         validate = hidden_states.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate and dims.slots:
@@ -97,8 +102,31 @@ def experts_forward(
     # Per-token inputs are small: made contiguous, strided ones give bit-identical results. Weights are used in
     # place (no per-call copy); strided weights agree with contiguous ones to rounding.
     hidden_states, top_k_index, top_k_weights = (t.contiguous() for t in (hidden_states, top_k_index, top_k_weights))
+    weights = (gate_up_proj, down_proj, gate_up_bias, down_bias)
+    if graphable and graphs.wanted((hidden_states, top_k_weights, *weights)):
+        return graphs.run((key, graphs.weights_key(weights)), _call, (hidden_states, top_k_index, top_k_weights),
+                          weights, {"fn": fn, "activation": activation})
     return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
               activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
+
+
+def _call(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *, fn,
+          activation):
+    return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+              activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
+
+
+def _graphable(implementation: str, activation, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dims) -> bool:
+    """Whether calls of this signature may run as decode graphs (``graphs``): the backend's spec entry lists the
+    device class, the activation is named, and the expert weights T*k slots may read are within the spec's bound."""
+    where = device_class(gate_up_proj.device)
+    spec = load_spec()
+    backend = spec.backends.get(implementation)
+    if backend is None or "torch" not in backend.frameworks or where not in backend.frameworks["torch"].graphs:
+        return False
+    expert_bytes = (math.prod(gate_up_proj.shape[1:]) + math.prod(down_proj.shape[1:])) * gate_up_proj.element_size()
+    return (isinstance(activation, str) and dims.slots > 0
+            and dims.slots * expert_bytes <= spec.graph_threshold("torch", where) << 20)
 
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:

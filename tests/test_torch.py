@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -790,17 +791,31 @@ def test_argument_and_requirement_checks_run_once_per_signature(monkeypatch):
             experts_forward(**tensors, implementation="batched_mm")
 
 
-def test_loop_weight_gradient_zeroes_every_idle_expert_and_multiplies_the_others():
-    """The per-expert weight-gradient loop (CPU) zeroes runs of idle experts at once (at the start, between active
-    ones and at the end) and gives each active expert grad[rows].T @ a[rows]: the K-grouped F.grouped_mm's bits."""
+@pytest.mark.parametrize("pages", ["small", "fresh", "reused"])
+def test_loop_weight_gradient_zeroes_every_idle_expert_and_multiplies_the_others(pages, monkeypatch):
+    """The per-expert weight-gradient loop (CPU) leaves every idle expert zero (runs at the start, between active
+    ones and at the end) and gives each active expert grad[rows].T @ a[rows]: the K-grouped F.grouped_mm's bits. On
+    a small buffer (written zeros), on fresh pages of its own, and on pages reused from a freed buffer that held
+    NaN."""
     import torch.nn.functional as F
 
+    from moe_torch import base
     from moe_torch.backends.grouped_mm import grouped_weight_grad
+    monkeypatch.setattr(base, "_PAGES", base._PagePool(1 << 20))
+    if pages != "small":
+        monkeypatch.setattr(base, "FRESH_PAGES_FROM_BYTES", 0)
+    if pages == "reused":
+        stale, zeros = base.cpu_buffer(torch.empty(0, dtype=torch.bfloat16), 12, 8, 16)
+        assert zeros
+        stale.fill_(float("nan"))
+        del stale
+        assert base._PAGES.bytes == 12 * 8 * 16 * 2
     counts = torch.tensor([0, 0, 3, 0, 1, 2, 0, 0, 0, 4, 0, 0], dtype=torch.int32)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     g = torch.Generator().manual_seed(5)
     grad, a = torch.randn(10, 8, generator=g).bfloat16(), torch.randn(10, 16, generator=g).bfloat16()
     got = grouped_weight_grad(grad, a, offs, 12)
+    assert base._PAGES.bytes == 0  # the reused buffer is the one taken
     assert torch.equal(got[counts == 0], torch.zeros(8, 8, 16, dtype=torch.bfloat16))
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -809,6 +824,38 @@ def test_loop_weight_gradient_zeroes_every_idle_expert_and_multiplies_the_others
         start = end
     if hasattr(F, "grouped_mm"):
         assert torch.equal(got, F.grouped_mm(grad.t(), a, offs=offs))
+
+
+def test_cpu_buffers_lie_on_pages_of_their_own_kept_for_reuse_once_freed(monkeypatch):
+    """cpu_buffer: a large CPU buffer on fresh pages reads as zeros; its pages go back to the pool only when its last
+    tensor (a view included) is freed, and the next buffer of that size gets them as they were (not zeros); the pool
+    keeps no more than its bytes; small buffers and other sizes never come from it."""
+    from moe_torch import base
+    shape = (8, 1024, 256)  # 4 MB in bfloat16: the smallest size on pages of its own
+    nbytes = math.prod(shape) * 2
+    assert nbytes == base.FRESH_PAGES_FROM_BYTES
+    monkeypatch.setattr(base, "_PAGES", base._PagePool(nbytes))
+    like = torch.empty(0, dtype=torch.bfloat16)
+    first, zeros = base.cpu_buffer(like, *shape)
+    assert zeros and first.shape == shape and first.dtype == torch.bfloat16 and first.is_contiguous()
+    assert not first.any()
+    first.fill_(3)
+    address, view = first.data_ptr(), first[2:]
+    del first
+    second, zeros = base.cpu_buffer(like, *shape)  # the view keeps the first one's pages
+    assert zeros and second.data_ptr() != address and not second.any()
+    del view
+    assert base._PAGES.bytes == nbytes
+    other, zeros = base.cpu_buffer(like, 8, 1024, 512)  # another size: fresh pages
+    assert zeros and not other.any() and _mapped(other.data_ptr())
+    other_address = other.data_ptr()
+    again, zeros = base.cpu_buffer(like, *shape)
+    assert not zeros and again.data_ptr() == address and (again == 3).all()
+    del second, other  # the pool keeps one 4 MB buffer, the second one's; the larger one is unmapped
+    assert base._PAGES.bytes == nbytes and list(base._PAGES.free) == [nbytes]
+    assert not _mapped(other_address)
+    small, zeros = base.cpu_buffer(like, 4, 5)
+    assert not zeros and small.shape == (4, 5) and base._PAGES.bytes == nbytes
 
 
 def test_cpu_grouped_linear_keeps_torchs_backward_bits_with_its_own_weight_gradient():
@@ -830,6 +877,15 @@ def test_cpu_grouped_linear_keeps_torchs_backward_bits_with_its_own_weight_gradi
     assert not ours[1][counts == 0].any()
 
 
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of this process (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        low, high = (int(part, 16) for part in line.split()[0].split("-"))
+        if low <= address < high:
+            return True
+    return False
+
+
 def _anon_huge_kib(address: int) -> int:
     """AnonHugePages of the mapping holding ``address`` (/proc/self/smaps)."""
     inside, total = False, 0
@@ -844,9 +900,9 @@ def _anon_huge_kib(address: int) -> int:
 
 
 def test_large_cpu_buffers_are_marked_for_huge_pages(monkeypatch):
-    """With MOE_EXPERTS_HUGE_PAGES=1, empty_on_huge_pages asks for transparent huge pages on the whole 2 MB pages
-    inside a large buffer (and on nothing under HUGE_PAGES_FROM_BYTES); where the OS has them, the touched buffer
-    then lies in huge pages. With 0, and by default, it asks for nothing."""
+    """With MOE_EXPERTS_HUGE_PAGES=1, cpu_buffer asks for transparent huge pages on the whole 2 MB pages inside a
+    large fresh buffer (and on nothing under HUGE_PAGES_FROM_BYTES); where the OS has them, the touched buffer then
+    lies in huge pages. With 0, and by default, it asks for nothing."""
     import mmap
 
     from moe_torch import base
@@ -860,9 +916,10 @@ def test_large_cpu_buffers_are_marked_for_huge_pages(monkeypatch):
         return real(*args) if real is not None else 0
 
     monkeypatch.setattr(base, "_madvise", lambda: recorded)
+    monkeypatch.setattr(base, "_PAGES", base._PagePool(0))  # fresh pages every time
     monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "1")
-    small = base.empty_on_huge_pages(like, 4, 1024, 2047)  # under native.HUGE_PAGES_FROM_BYTES
-    big = base.empty_on_huge_pages(like, 8, 1024, 2048)
+    small, _ = base.cpu_buffer(like, 4, 1024, 2047)  # under native.HUGE_PAGES_FROM_BYTES
+    big, _ = base.cpu_buffer(like, 8, 1024, 2048)
     assert small.shape == (4, 1024, 2047) and big.shape == (8, 1024, 2048) and big.dtype == torch.bfloat16
     assert len(calls) == 1
     start, length, advice = calls[0]
@@ -879,8 +936,8 @@ def test_large_cpu_buffers_are_marked_for_huge_pages(monkeypatch):
             monkeypatch.delenv("MOE_EXPERTS_HUGE_PAGES")
         else:
             monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", setting)
-        off = base.empty_on_huge_pages(like, 8, 1024, 2048)
+        off, _ = base.cpu_buffer(like, 8, 1024, 2048)
         assert off.shape == big.shape and len(calls) == 1
     monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "yes")
     with pytest.raises(ValueError, match=r"MOE_EXPERTS_HUGE_PAGES: expected '0' or '1', got 'yes'"):
-        base.empty_on_huge_pages(like, 8, 1024, 2048)
+        base.cpu_buffer(like, 8, 1024, 2048)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import expert_rows
-from ..base import (RowGather, Slots, TokenRows, combine, combine_sorted, empty_on_huge_pages, expert_ends, gate,
+from ..base import (RowGather, Slots, TokenRows, combine, combine_sorted, cpu_buffer, expert_ends, gate,
                     sort_by_expert, takes_grad)
 
 NAME = "grouped_mm"
@@ -95,19 +95,19 @@ def grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor,
 def _weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
     if grad.device.type in K_GROUPED_DEVICES and k_grouped_supported(grad, a):
         return F.grouped_mm(grad.t(), a, offs=offs)
-    out = empty_on_huge_pages(grad, num_experts, grad.shape[1], a.shape[1])
+    out, zeros = cpu_buffer(grad, num_experts, grad.shape[1], a.shape[1])
     start, idle_from = 0, None  # idle experts are zeroed a run of consecutive ones at a time (decode: a few runs)
     for e, end in enumerate(offs.tolist()):  # one host sync for the whole loop
         if end > start:
             if idle_from is not None:
-                expert_rows.zero_(out[idle_from:e])
+                out[idle_from:e].zero_()
                 idle_from = None
             torch.mm(grad[start:end].T, a[start:end], out=out[e])
-        elif idle_from is None:
+        elif idle_from is None and not zeros:
             idle_from = e
         start = end
     if idle_from is not None:
-        expert_rows.zero_(out[idle_from:])
+        out[idle_from:].zero_()
     return out
 
 
@@ -156,7 +156,7 @@ grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)
 class _NativeGroupedLinear(torch.autograd.Function):
     """F.grouped_mm(a, w.T) with torch's input gradient (F.grouped_mm(grad, w)) and ``grouped_weight_grad`` for the
     weights': the same bits as F.grouped_mm's own backward, whose weight gradient on the CPU is written into fresh
-    4 KB pages (this one's are huge pages, see ``empty_on_huge_pages``)."""
+    4 KB pages (this one's lie on pages kept for reuse, idle experts' on none at first: ``base.cpu_buffer``)."""
 
     @staticmethod
     def forward(ctx, a, w, offs):

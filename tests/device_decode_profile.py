@@ -1,0 +1,146 @@
+"""Decode-size calls on the GPU, ours against transformers', kernel by kernel (not collected by pytest):
+
+    python tests/device_decode_profile.py --out DIR [--tokens 1,4,16,64]
+
+qwen3-30b-a3b shape, bf16. For each T, each path is timed one call at a time, synced (CUDA events around the call,
+median of 5 rounds of 30 calls, and the host time of the call), then profiled once (torch.profiler: each CUDA
+kernel's name, count and device time, and how many aten ops the call ran). Paths:
+- inference (``torch.no_grad``): moe_torch ``batched_mm`` and ``grouped_mm`` (``experts_forward``, validate off, as
+  the benchmark calls them) and transformers' ``batched_mm`` and ``grouped_mm`` (``bench.peers``, the same weights);
+- batched_mm's first projection alone, in the forms it could take: each token's k gathered matrices as one
+  [k*N, K] matrix times the token's row (the form used today at one chunk), one [N, K] matrix per slot times the
+  slot's row (transformers' form), and at T=1 one ``F.linear`` on the gathered [k*N, K] matrix;
+- training (forward, then the gradients of the hidden states, routing weights and both weight tensors), ours and
+  transformers' ``batched_mm``.
+Writes DIR/decode-profile.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import moe_torch
+from bench.peers import transformers_peer
+
+E, H, I, K = 128, 2048, 768, 8  # qwen3-30b-a3b
+
+
+def timed(call, rounds: int = 5, calls: int = 30) -> tuple[float, float]:
+    """(median device ms between events around one call, median host ms of the call up to its result)."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    device, host = [], []
+    for _ in range(rounds):
+        for _ in range(calls):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            host.append((time.perf_counter() - t0) * 1e3)
+            device.append(start.elapsed_time(end))
+    return statistics.median(device), statistics.median(host)
+
+
+def profiled(call) -> dict:
+    """One call under torch.profiler: its CUDA kernels (name, count, device us) and its aten op count."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    ops = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels[event.name[:120]]
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us()
+        elif event.name.startswith("aten::"):
+            ops += 1
+    listed = sorted(({"name": n, "count": c, "us": round(us, 1)} for n, (c, us) in kernels.items()),
+                    key=lambda k: -k["us"])
+    return {"kernels": listed, "kernel_count": sum(k["count"] for k in listed),
+            "kernel_us": round(sum(k["us"] for k in listed), 1), "aten_ops": ops}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tokens", default="1,4,16,64")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    gate_up = (torch.randn(E, 2 * I, H, device=device, generator=gen) / H ** 0.5).bfloat16()
+    down = (torch.randn(E, H, I, device=device, generator=gen) / I ** 0.5).bfloat16()
+    theirs = {name: transformers_peer(name)(E, H, I) for name in ("batched_mm", "grouped_mm")}
+    results = {"versions": {"torch": torch.__version__, "device": torch.cuda.get_device_name()}, "points": {}}
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(tokens, H, device=device, generator=gen).bfloat16()
+        w, idx = torch.topk(torch.softmax(torch.randn(tokens, E, device=device, generator=gen), -1), K, -1)
+        w = w.bfloat16()
+        ids = idx.reshape(-1)
+        grad_out = torch.randn(tokens, H, device=device, generator=gen).bfloat16()
+
+        def ours(backend):
+            return lambda: moe_torch.experts_forward(x, idx, w, gate_up, down, implementation=backend,
+                                                     validate=False)
+
+        def inference(call):
+            def run():
+                with torch.no_grad():
+                    return call()
+            return run
+
+        leaves = [t.detach().requires_grad_() for t in (x, w, gate_up, down)]
+
+        def training(forward):
+            def run():
+                out = forward(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+                return torch.autograd.grad(out, leaves, grad_out)
+            return run
+
+        paths = {
+            "ours batched_mm": inference(ours("batched_mm")),
+            "transformers batched_mm": inference(lambda: theirs["batched_mm"](x, idx, w, gate_up, down)),
+            "ours grouped_mm": inference(ours("grouped_mm")),
+            "transformers grouped_mm": inference(lambda: theirs["grouped_mm"](x, idx, w, gate_up, down)),
+            "first projection, k matrices as one": inference(
+                lambda: torch.bmm(gate_up[ids].reshape(tokens, K * 2 * I, H), x.unsqueeze(2))),
+            "first projection, one matrix per slot": inference(
+                lambda: torch.bmm(gate_up[ids], x.repeat_interleave(K, 0).unsqueeze(2))),
+            "train ours batched_mm": training(
+                lambda *a: moe_torch.experts_forward(*a, implementation="batched_mm", validate=False)),
+            "train transformers batched_mm": training(theirs["batched_mm"]),
+        }
+        if tokens == 1:
+            paths["first projection, F.linear on k matrices"] = inference(
+                lambda: F.linear(x, gate_up[ids].reshape(K * 2 * I, H)))
+        point = {}
+        for name, call in paths.items():
+            ms, host_ms = timed(call)
+            point[name] = {"ms": round(ms, 4), "host_ms": round(host_ms, 4), **profiled(call)}
+            top = ", ".join(f"{k['name'][:40]} x{k['count']} {k['us']}us" for k in point[name]["kernels"][:4])
+            print(f"T={tokens:3d} {name:42s} {ms:8.3f} ms (host {host_ms:7.3f}) kernels "
+                  f"{point[name]['kernel_count']:3d} = {point[name]['kernel_us']:8.1f} us, aten {point[name]['aten_ops']:3d}"
+                  f" | {top}", flush=True)
+        results["points"][tokens] = point
+        (args.out / "decode-profile.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
+    main()

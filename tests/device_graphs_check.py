@@ -1,0 +1,160 @@
+"""Decode graphs on the GPU (moe_torch.graphs; not collected by pytest):
+
+    PYTHONPATH=. python tests/device_graphs_check.py --out DIR
+
+qwen3-30b-a3b shape, bf16, inference, for each backend the spec declares graphs for (batched_mm, grouped_mm and, where
+triton is installed, triton) and T = 1, 4, 8:
+- bits: three calls on different inputs (a quarter of the slots -1 in the last) through the graph equal the plain
+  call (``MOE_TORCH_GRAPHS=off``) on the same inputs, under ``torch.no_grad`` and under ``torch.inference_mode``;
+  one graph captured per (backend, T); after an in-place update of the down weights the graph's output equals the
+  plain call's on the updated weights;
+- a capture of the caller's own around the call (``torch.cuda.graph``) replays the plain call's bits and leaves the
+  decode graphs alone;
+- time: the call with and without its graph and transformers' same-named backend (batched_mm, grouped_mm) one call at
+  a time, synced (CUDA events around the call, median of 5 rounds of 30 calls; and the host time of the call);
+- memory: what the captures reserved (``torch.cuda.memory_reserved``) and the graphs kept.
+Writes DIR/graphs-check.json; prints each check and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import moe_torch
+from bench.peers import transformers_peer
+from moe_shared.spec import load_spec
+
+E, H, I, K = 128, 2048, 768, 8  # qwen3-30b-a3b
+
+
+def plain(call):
+    os.environ[moe_torch.graphs.VARIABLE] = "off"
+    try:
+        return call()
+    finally:
+        os.environ[moe_torch.graphs.VARIABLE] = "auto"
+
+
+def timed(call, rounds: int = 5, calls: int = 30) -> tuple[float, float]:
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    device, host = [], []
+    for _ in range(rounds):
+        for _ in range(calls):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            host.append((time.perf_counter() - t0) * 1e3)
+            device.append(start.elapsed_time(end))
+    return statistics.median(device), statistics.median(host)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    gate_up = (torch.randn(E, 2 * I, H, device=device, generator=gen) / H ** 0.5).bfloat16()
+    down = (torch.randn(E, H, I, device=device, generator=gen) / I ** 0.5).bfloat16()
+    spec = load_spec()
+    backends = [name for name in spec.backend_names("torch") if "cuda" in spec.backends[name].frameworks["torch"].graphs
+                and moe_torch.available_backends("cuda").get(name) is None]
+    theirs = {name: transformers_peer(name)(E, H, I) for name in ("batched_mm", "grouped_mm")}
+    checks, timings = [], {}
+
+    def check(name: str, ok: bool, **detail) -> None:
+        checks.append({"name": name, "ok": bool(ok), **detail})
+        print(("PASS " if ok else "FAIL ") + name, detail or "", flush=True)
+
+    def inputs(T: int, seed: int, empties: bool = False):
+        g = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(T, H, device=device, generator=g).bfloat16()
+        w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device, generator=g), -1), K, -1)
+        if empties:
+            idx = idx.masked_fill(torch.rand(T, K, device=device, generator=g) < 0.25, -1)
+        return x, idx, w.bfloat16()
+
+    reserved_before = torch.cuda.memory_reserved()
+    for backend in backends:
+        for T in (1, 4, 8):
+            def ours(x, idx, w, b=backend):
+                return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation=b)
+            before = moe_torch.graphs.count()
+            for context in (torch.no_grad, torch.inference_mode):
+                same = []
+                for seed in range(3):
+                    args_ = inputs(T, seed, empties=seed == 2)
+                    with context():
+                        want = plain(lambda: ours(*args_))
+                        got = ours(*args_)
+                    same.append(torch.equal(got, want))
+                check(f"{backend} T={T} {context.__name__}: graph bits == plain bits on 3 inputs", all(same),
+                      same=same)
+            check(f"{backend} T={T}: one graph captured", moe_torch.graphs.count() == before + 1,
+                  graphs=moe_torch.graphs.count() - before)
+            args_ = inputs(T, 7)
+            with torch.no_grad():
+                down.mul_(1.5)
+                want, got = plain(lambda: ours(*args_)), ours(*args_)
+                down.div_(1.5)
+            check(f"{backend} T={T}: in-place weight update read at replay", torch.equal(got, want))
+            with torch.no_grad():
+                timings[f"{backend} T={T}"] = {
+                    "graph": timed(lambda: ours(*args_)), "plain": timed(lambda: plain(lambda: ours(*args_)))}
+                if backend in theirs:
+                    timings[f"{backend} T={T}"]["transformers"] = timed(
+                        lambda: theirs[backend](*args_, gate_up, down))
+            t = timings[f"{backend} T={T}"]
+            print(f"{backend:11s} T={T}: " + ", ".join(f"{k} {v[0]:.3f} ms (host {v[1]:.3f})" for k, v in t.items()),
+                  flush=True)
+    reserved_after = torch.cuda.memory_reserved()
+
+    # a capture of the caller's: our call inside it runs plainly (no nested capture) and replays correctly
+    for backend in backends:
+        static = inputs(4, 11)
+        with torch.no_grad():
+            want = plain(lambda: moe_torch.experts_forward(*static, gate_up, down, implementation=backend))
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                moe_torch.experts_forward(*static, gate_up, down, implementation=backend)
+            torch.cuda.current_stream().wait_stream(side)
+            before = moe_torch.graphs.count()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = moe_torch.experts_forward(*static, gate_up, down, implementation=backend)
+            graph.replay()
+            torch.cuda.synchronize()
+        check(f"{backend}: inside the caller's capture, the replay equals the plain call",
+              torch.equal(out, want) and moe_torch.graphs.count() == before)
+
+    kept = moe_torch.graphs.count()
+    moe_torch.graphs.release()
+    result = {
+        "meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "backends": backends,
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "summary": {"passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks)},
+        "checks": checks,
+        "timings_ms_device_host": timings,
+        "memory": {"reserved_by_captures_gib": (reserved_after - reserved_before) / 2**30, "graphs_kept": kept,
+                   "reserved_after_release_gib": torch.cuda.memory_reserved() / 2**30},
+    }
+    (args.out / "graphs-check.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"]), json.dumps(result["memory"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Decode graphs (moe_torch.graphs): which calls may run as CUDA graphs, and the cache's logic.
+
+This machine has no GPU: the capture itself is replaced by a stand-in whose replay runs the captured call on the
+graph's own buffers, so what is tested here is the routing of calls, the keys, the copies in and out, the eviction
+and the failed-capture path. The capture and the bits on a GPU: tests/device_graphs_check.py (results in
+tests/device_results/)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import moe_torch
+from moe_shared.spec import load_spec, parse_spec
+from moe_torch import api, graphs
+
+E, H, I, K = 4, 16, 8, 2
+
+
+def _inputs(T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    index = torch.randint(0, E, (T, K), generator=g)
+    weights = torch.rand(T, K, generator=g)
+    return x, index, weights
+
+
+def _weights(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+
+
+class _StandIn:
+    """A captured call without a GPU: replay() runs the call again on the capture's buffers, into its output."""
+
+    def __init__(self, forward, buffers, weights, kwargs):
+        self.forward, self.buffers, self.weights, self.kwargs = forward, buffers, weights, kwargs
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.output.copy_(self.forward(*self.buffers, *self.weights, **self.kwargs))
+
+
+def _spec_with_graphs_on_cpu():
+    spec = load_spec()
+    backends = dict(spec.backends)
+    for name, backend in spec.backends.items():
+        torch_support = backend.frameworks.get("torch")
+        if torch_support is not None and torch_support.graphs:
+            frameworks = dict(backend.frameworks)
+            frameworks["torch"] = dataclasses.replace(torch_support, graphs=(*torch_support.graphs, "cpu"))
+            backends[name] = dataclasses.replace(backend, frameworks=frameworks)
+    limits = {fw: {**limit, "cpu": limit.get("cuda", 0)} for fw, limit in spec.graph_max_mib.items()}
+    return dataclasses.replace(spec, backends=backends, graph_max_mib=limits)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CPU calls routed as CUDA ones would be: a spec whose graph entries name "cpu" too, captures made by
+    _StandIn."""
+    captures = []
+
+    def capture(forward, inputs, weights, kwargs):
+        buffers = tuple(t.clone() for t in inputs)
+        stand_in = _StandIn(forward, buffers, weights, kwargs)
+        stand_in.output = forward(*buffers, *weights, **kwargs)
+        captures.append(stand_in)
+        return graphs._Graph(stand_in, buffers, stand_in.output)
+
+    monkeypatch.setattr(api, "load_spec", _spec_with_graphs_on_cpu)
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    api._CHECKED.clear()
+    graphs._GRAPHS.clear()
+    yield captures
+    api._CHECKED.clear()
+    graphs._GRAPHS.clear()
+
+
+def test_the_spec_declares_graphs_for_the_capturable_backends_on_cuda_only():
+    spec = load_spec()
+    declared = {name for name in spec.backend_names("torch") if spec.backends[name].frameworks["torch"].graphs}
+    assert declared == {"batched_mm", "grouped_mm", "triton"}
+    for name in declared:
+        assert spec.backends[name].frameworks["torch"].graphs == ("cuda",)
+        assert not spec.backends[name].data_dependent  # no host sync: capturable
+    assert spec.graph_threshold("torch", "cuda") == 1024
+    assert spec.graph_threshold("torch", "cpu") == 0 and spec.graph_threshold("jax", "cuda") == 0
+
+
+def test_the_spec_reads_graphs_and_their_bound():
+    raw = {"contract": {"activations": ["silu"], "dtypes": ["float32"], "index_dtypes": ["int64"], "empty_slot": -1},
+           "tolerance": {"float32": 1e-5},
+           "decode": {"graph_max_mib": {"torch": {"cuda": 7}}},
+           "backends": {"b": {"description": "d", "torch": {"devices": ["cuda"], "dtypes": ["float32"],
+                                                            "graphs": ["cuda"]}}}}
+    spec = parse_spec(raw)
+    assert spec.backends["b"].frameworks["torch"].graphs == ("cuda",)
+    assert "graphs" not in spec.backends["b"].frameworks["torch"].details
+    assert spec.graph_threshold("torch", "cuda") == 7
+
+
+@pytest.mark.parametrize("T, expected", [(1, True), (0, False), (10**6, False)])
+def test_graphable_within_the_weight_bound_named_activations_and_declared_backends(T, expected, monkeypatch):
+    gate_up, down = _weights()
+    monkeypatch.setattr(api, "load_spec", _spec_with_graphs_on_cpu)
+    dims = moe_torch.api.check_arguments(*(api.info(t) for t in (*_inputs(T), gate_up, down, None, None)),
+                                         activation="silu")
+    assert api._graphable("grouped_mm", "silu", gate_up, down, dims) is expected
+    assert not api._graphable("grouped_mm", torch.nn.functional.silu, gate_up, down, dims)
+    assert not api._graphable("eager", "silu", gate_up, down, dims)  # data dependent: not declared
+    assert not api._graphable("not-in-the-spec", "silu", gate_up, down, dims)
+    monkeypatch.setattr(api, "load_spec", load_spec)
+    assert not api._graphable("grouped_mm", "silu", gate_up, down, dims)  # cpu: not declared
+
+
+def test_plain_cpu_calls_never_capture(monkeypatch):
+    monkeypatch.setattr(graphs, "_capture", lambda *a: pytest.fail("a CPU call was captured"))
+    graphs._GRAPHS.clear()
+    gate_up, down = _weights()
+    moe_torch.experts_forward(*_inputs(3), gate_up, down, implementation="grouped_mm")
+    assert not graphs._GRAPHS
+
+
+@pytest.mark.parametrize("backend", ["batched_mm", "grouped_mm"])
+def test_a_graph_is_captured_once_per_signature_and_replayed_on_each_calls_inputs(fake_cuda, backend):
+    gate_up, down = _weights()
+    plain = {}
+    for seed in range(3):
+        x, index, w = _inputs(2, seed)
+        plain[seed] = api.ExpertsInterface[backend](x, index, w, gate_up, down)
+    outputs = []
+    for seed in range(3):
+        with torch.no_grad():
+            outputs.append(moe_torch.experts_forward(*_inputs(2, seed), gate_up, down, implementation=backend))
+    assert len(fake_cuda) == 1 and fake_cuda[0].replays == 3  # a capture runs nothing: the first call replays too
+    for seed, out in enumerate(outputs):
+        assert torch.equal(out, plain[seed])
+    assert outputs[1].data_ptr() != outputs[2].data_ptr() != fake_cuda[0].output.data_ptr()  # copies out
+    assert graphs.count() == 1
+    moe_torch.experts_forward(*_inputs(5), gate_up, down, implementation=backend)  # another T: another graph
+    moe_torch.experts_forward(*_inputs(2), gate_up.clone(), down, implementation=backend)  # other weights
+    moe_torch.experts_forward(*_inputs(2), gate_up, down, implementation=backend, activation="gelu")
+    assert len(fake_cuda) == 4 and graphs.count() == 4
+
+
+def test_weights_updated_in_place_are_read_at_each_replay(fake_cuda):
+    gate_up, down = _weights()
+    x, index, w = _inputs(2)
+    moe_torch.experts_forward(x, index, w, gate_up, down, implementation="grouped_mm")
+    with torch.no_grad():
+        down.mul_(2)
+    got = moe_torch.experts_forward(x, index, w, gate_up, down, implementation="grouped_mm")
+    assert len(fake_cuda) == 1
+    assert torch.equal(got, api.ExpertsInterface["grouped_mm"](x, index, w, gate_up, down))
+
+
+def test_differentiated_calls_and_the_setting_off_run_plainly(fake_cuda, monkeypatch):
+    gate_up, down = _weights()
+    x, index, w = _inputs(2)
+    out = moe_torch.experts_forward(x.requires_grad_(), index, w, gate_up, down, implementation="grouped_mm")
+    assert out.requires_grad and not fake_cuda
+    monkeypatch.setenv(graphs.VARIABLE, "off")
+    moe_torch.experts_forward(x.detach(), index, w, gate_up, down, implementation="grouped_mm")
+    assert not fake_cuda
+    monkeypatch.setenv(graphs.VARIABLE, "on")
+    with pytest.raises(ValueError, match=r"MOE_TORCH_GRAPHS: expected one of \['auto', 'off'\], got 'on'"):
+        moe_torch.experts_forward(x.detach(), index, w, gate_up, down, implementation="grouped_mm")
+
+
+def test_inside_a_capture_of_the_callers_the_call_runs_plainly(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    gate_up, down = _weights()
+    moe_torch.experts_forward(*_inputs(2), gate_up, down, implementation="grouped_mm")
+    assert not fake_cuda
+
+
+def test_a_failed_capture_runs_plainly_from_then_on(fake_cuda, monkeypatch):
+    calls = []
+    monkeypatch.setattr(graphs, "_capture", lambda *a: calls.append(a) or None)
+    gate_up, down = _weights()
+    x, index, w = _inputs(2)
+    want = api.ExpertsInterface["grouped_mm"](x, index, w, gate_up, down)
+    for _ in range(2):
+        assert torch.equal(moe_torch.experts_forward(x, index, w, gate_up, down, implementation="grouped_mm"), want)
+    assert len(calls) == 1 and graphs.count() == 0
+
+
+def test_the_least_recently_used_graph_goes_first_and_release_drops_them_all(fake_cuda, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
+    gate_up, down = _weights()
+    for T in (1, 2, 1, 3):  # T=1 used again before T=3 comes: T=2 is evicted
+        moe_torch.experts_forward(*_inputs(T), gate_up, down, implementation="grouped_mm")
+    assert [key[0][2][0][0][0] for key in graphs._GRAPHS] == [1, 3]  # hidden_states' T in each signature
+    graphs.release()
+    assert graphs.count() == 0
