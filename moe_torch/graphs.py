@@ -8,7 +8,8 @@ activation, the inputs' shapes and dtypes, each weight's address, shape, strides
 on a side stream; every later call copies the hidden states, routing ids and routing weights into the graph's own
 buffers, replays it on the current stream and returns a copy of its output. The same kernels run, so the output has
 the same bits as the plain call. Weights updated in place are read as they are at each replay; a weight tensor
-replaced by another is a new signature.
+replaced by another is a new signature, as are other settings of deterministic algorithms and reduced-precision
+matmuls (they pick kernels at capture).
 
 Memory: every graph of a device allocates from one pool, which keeps the largest call's working memory (batched_mm's
 gathered weights: the MiB bound above) plus each graph's buffers; at most MAX_GRAPHS graphs are kept (the least
@@ -59,8 +60,12 @@ def wanted(per_call: tuple[torch.Tensor | None, ...]) -> bool:
 
 
 def weights_key(tensors) -> tuple:
-    """What a graph depends on of tensors it reads in place: each one's address, shape, strides and dtype."""
-    return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+    """What a graph depends on besides the call's signature: each tensor it reads in place (address, shape, strides,
+    dtype) and the settings that pick kernels at capture (deterministic algorithms, reduced-precision matmuls)."""
+    matmul = torch.backends.cuda.matmul
+    return (tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors),
+            torch.are_deterministic_algorithms_enabled(), matmul.allow_tf32,
+            matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
 
 
 def run(key: tuple, forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
@@ -92,7 +97,7 @@ def _pool(device: torch.device) -> tuple:
 def _capture(forward, inputs, weights, kwargs) -> _Graph | None:
     """One warm-up call on a side stream (lazy initialisation, kernel compilation), then the capture."""
     device = inputs[0].device
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.cuda.device(device), torch.inference_mode(False), torch.no_grad():
         buffers = tuple(t.clone() for t in inputs)
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
