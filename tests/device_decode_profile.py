@@ -3,7 +3,7 @@
     python tests/device_decode_profile.py --out DIR [--tokens 1,4,16,64]
 
 qwen3-30b-a3b shape, bf16. For each T, each path is timed one call at a time, synced (CUDA events around the call,
-median of 5 rounds of 30 calls, and the host time of the call), then profiled once (torch.profiler: each CUDA
+median of 5 rounds of 30 calls, the host time of the call, and the host time until it returned), then profiled once (torch.profiler: each CUDA
 kernel's name, count and device time, and how many aten ops the call ran). Paths:
 - inference (``torch.no_grad``): moe_torch ``batched_mm`` and ``grouped_mm`` (``experts_forward``, validate off, as
   the benchmark calls them) and transformers' ``batched_mm`` and ``grouped_mm`` (``bench.peers``, the same weights);
@@ -11,7 +11,7 @@ kernel's name, count and device time, and how many aten ops the call ran). Paths
   [k*N, K] matrix times the token's row (the form used today at one chunk), one [N, K] matrix per slot times the
   slot's row (transformers' form), and at T=1 one ``F.linear`` on the gathered [k*N, K] matrix;
 - training (forward, then the gradients of the hidden states, routing weights and both weight tensors), ours and
-  transformers' ``batched_mm``.
+  transformers' ``batched_mm`` and ``grouped_mm``.
 Writes DIR/decode-profile.json and prints a table.
 """
 
@@ -34,23 +34,25 @@ from bench.peers import transformers_peer
 E, H, I, K = 128, 2048, 768, 8  # qwen3-30b-a3b
 
 
-def timed(call, rounds: int = 5, calls: int = 30) -> tuple[float, float]:
-    """(median device ms between events around one call, median host ms of the call up to its result)."""
+def timed(call, rounds: int = 5, calls: int = 30) -> tuple[float, float, float]:
+    """Medians over one call at a time: ms between CUDA events around the call, host ms up to its result, and host ms
+    until the call returned (its launches; the rest of a host-bound call is the GPU finishing what was queued)."""
     for _ in range(10):
         call()
     torch.cuda.synchronize()
-    device, host = [], []
+    device, host, launch = [], [], []
     for _ in range(rounds):
         for _ in range(calls):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             start.record()
             call()
+            launch.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             host.append((time.perf_counter() - t0) * 1e3)
             device.append(start.elapsed_time(end))
-    return statistics.median(device), statistics.median(host)
+    return statistics.median(device), statistics.median(host), statistics.median(launch)
 
 
 def profiled(call) -> dict:
@@ -62,24 +64,31 @@ def profiled(call) -> dict:
         call()
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     ops = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             entry = kernels[event.name[:120]]
             entry[0] += 1
             entry[1] += event.time_range.elapsed_us()
-        elif event.name.startswith("aten::"):
-            ops += 1
+        else:
+            ops += event.name.startswith("aten::")
+            entry = host[event.name[:120]]
+            entry[0] += 1
+            entry[1] += event.self_cpu_time_total
     listed = sorted(({"name": n, "count": c, "us": round(us, 1)} for n, (c, us) in kernels.items()),
                     key=lambda k: -k["us"])
+    host_top = sorted(({"name": n, "count": c, "self_us": round(us, 1)} for n, (c, us) in host.items()),
+                      key=lambda k: -k["self_us"])[:15]
     return {"kernels": listed, "kernel_count": sum(k["count"] for k in listed),
-            "kernel_us": round(sum(k["us"] for k in listed), 1), "aten_ops": ops}
+            "kernel_us": round(sum(k["us"] for k in listed), 1), "aten_ops": ops, "host_self_top": host_top}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", default="1,4,16,64")
+    parser.add_argument("--paths", default="", help="comma-separated path names to run (default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -125,18 +134,25 @@ def main() -> None:
             "train ours batched_mm": training(
                 lambda *a: moe_torch.experts_forward(*a, implementation="batched_mm", validate=False)),
             "train transformers batched_mm": training(theirs["batched_mm"]),
+            "train ours grouped_mm": training(
+                lambda *a: moe_torch.experts_forward(*a, implementation="grouped_mm", validate=False)),
+            "train transformers grouped_mm": training(theirs["grouped_mm"]),
         }
         if tokens == 1:
             paths["first projection, F.linear on k matrices"] = inference(
                 lambda: F.linear(x, gate_up[ids].reshape(K * 2 * I, H)))
         point = {}
-        for name, call in paths.items():
-            ms, host_ms = timed(call)
-            point[name] = {"ms": round(ms, 4), "host_ms": round(host_ms, 4), **profiled(call)}
+        chosen = [name for name in args.paths.split(",") if name] or list(paths)
+        for name, call in ((name, paths[name]) for name in chosen):
+            ms, host_ms, launch_ms = timed(call)
+            point[name] = {"ms": round(ms, 4), "host_ms": round(host_ms, 4), "launch_ms": round(launch_ms, 4),
+                           **profiled(call)}
             top = ", ".join(f"{k['name'][:40]} x{k['count']} {k['us']}us" for k in point[name]["kernels"][:4])
-            print(f"T={tokens:3d} {name:42s} {ms:8.3f} ms (host {host_ms:7.3f}) kernels "
+            print(f"T={tokens:3d} {name:42s} {ms:8.3f} ms (host {host_ms:7.3f}, launched {launch_ms:7.3f}) kernels "
                   f"{point[name]['kernel_count']:3d} = {point[name]['kernel_us']:8.1f} us, aten {point[name]['aten_ops']:3d}"
                   f" | {top}", flush=True)
+            print("    host self:", ", ".join(f"{h['name'][:50]} x{h['count']} {h['self_us']}us"
+                                             for h in point[name]["host_self_top"][:8]), flush=True)
         results["points"][tokens] = point
         (args.out / "decode-profile.json").write_text(json.dumps(results, indent=1))
 
