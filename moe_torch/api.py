@@ -117,16 +117,14 @@ def _call(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, ga
 
 
 def _graphable(implementation: str, activation, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dims) -> bool:
-    """Whether calls of this signature may run as decode graphs (``graphs``): the backend's spec entry lists the
-    device class, the activation is named, and the expert weights T*k slots may read are within the spec's bound."""
-    where = device_class(gate_up_proj.device)
-    spec = load_spec()
-    backend = spec.backends.get(implementation)
-    if backend is None or "torch" not in backend.frameworks or where not in backend.frameworks["torch"].graphs:
+    """Whether calls of this signature may run as decode graphs (``graphs``): a named activation, and at most the
+    expert weights (T*k slots times one expert's) that the backend's spec entry allows on this device class."""
+    backend = load_spec().backends.get(implementation)
+    if backend is None or "torch" not in backend.frameworks:
         return False
+    limit_mib = backend.frameworks["torch"].graphs.get(device_class(gate_up_proj.device), 0)
     expert_bytes = (math.prod(gate_up_proj.shape[1:]) + math.prod(down_proj.shape[1:])) * gate_up_proj.element_size()
-    return (isinstance(activation, str) and dims.slots > 0
-            and dims.slots * expert_bytes <= spec.graph_threshold("torch", where) << 20)
+    return isinstance(activation, str) and 0 < dims.slots * expert_bytes <= limit_mib << 20
 
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:

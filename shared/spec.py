@@ -51,7 +51,8 @@ class FrameworkSupport:
     activations: tuple[str, ...] | None = None  # named activations only; None: every contract one and callables
     training: bool = True  # False: inference only, a differentiated call raises
     multiples: Mapping[str, int] = field(default_factory=dict)  # dimension (H, I, ...) -> what it must divide by
-    graphs: tuple[str, ...] = ()  # device classes where decode-size inference replays a captured graph (torch)
+    # device class -> the most expert weights (MiB) an inference call may read and replay a captured graph (torch)
+    graphs: Mapping[str, int] = field(default_factory=dict)
 
     def check_dtype(self, backend: str, dtype: str) -> None:
         """Raise ValueError if the weights' ``dtype`` is not one this backend takes."""
@@ -101,7 +102,6 @@ class Spec:
     tolerance: Mapping[str, float]
     decode_max_gathered_mib: Mapping[str, Mapping[str, int]]
     backends: Mapping[str, BackendSpec]
-    graph_max_mib: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def backend_names(self, framework: str) -> tuple[str, ...]:
         return tuple(n for n, b in self.backends.items() if framework in b.frameworks)
@@ -120,11 +120,6 @@ class Spec:
         """The most weights (MiB) batched_mm gathers, T*k times one expert's, while it beats grouped_mm for
         ``framework`` on ``device_class`` (0: never)."""
         return int(self.decode_max_gathered_mib.get(framework, {}).get(device_class, 0))
-
-    def graph_threshold(self, framework: str, device_class: str) -> int:
-        """The most expert weights (MiB), T*k times one expert's, a call may read and still replay a captured graph
-        for ``framework`` on ``device_class`` (0: never)."""
-        return int(self.graph_max_mib.get(framework, {}).get(device_class, 0))
 
 
 _KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit", "activations", "training",
@@ -173,7 +168,7 @@ def _support(framework: str, raw: Mapping[str, Any], distributions: Mapping[str,
         activations=tuple(raw["activations"]) if "activations" in raw else None,
         training=bool(raw.get("training", True)),
         multiples=MappingProxyType(dict(raw.get("multiples", {}))),
-        graphs=tuple(raw.get("graphs", ())),
+        graphs=MappingProxyType({k: int(v) for k, v in raw.get("graphs", {}).items()}),
         details=MappingProxyType({k: v for k, v in raw.items() if k not in _KNOWN_SUPPORT_KEYS}),
     )
 
@@ -188,7 +183,6 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         backends[name] = BackendSpec(name, b["description"], bool(b.get("data_dependent", False)),
                                      MappingProxyType(frameworks))
     decode = raw.get("decode", {}).get("max_gathered_mib", {})
-    graph_max = raw.get("decode", {}).get("graph_max_mib", {})
     return Spec(
         activations=tuple(contract["activations"]),
         dtypes=tuple(contract["dtypes"]),
@@ -197,7 +191,6 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         tolerance=MappingProxyType({k: float(v) for k, v in raw["tolerance"].items()}),
         decode_max_gathered_mib=MappingProxyType({fw: MappingProxyType(dict(v)) for fw, v in decode.items()}),
         backends=MappingProxyType(backends),
-        graph_max_mib=MappingProxyType({fw: MappingProxyType(dict(v)) for fw, v in graph_max.items()}),
     )
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import moe_torch
+from moe_shared import ArrayInfo
 from moe_shared.spec import load_spec, parse_spec
 from moe_torch import api, graphs
 
@@ -51,10 +52,10 @@ def _spec_with_graphs_on_cpu():
         torch_support = backend.frameworks.get("torch")
         if torch_support is not None and torch_support.graphs:
             frameworks = dict(backend.frameworks)
-            frameworks["torch"] = dataclasses.replace(torch_support, graphs=(*torch_support.graphs, "cpu"))
+            frameworks["torch"] = dataclasses.replace(
+                torch_support, graphs={**torch_support.graphs, "cpu": torch_support.graphs["cuda"]})
             backends[name] = dataclasses.replace(backend, frameworks=frameworks)
-    limits = {fw: {**limit, "cpu": limit.get("cuda", 0)} for fw, limit in spec.graph_max_mib.items()}
-    return dataclasses.replace(spec, backends=backends, graph_max_mib=limits)
+    return dataclasses.replace(spec, backends=backends)
 
 
 @pytest.fixture
@@ -82,32 +83,36 @@ def fake_cuda(monkeypatch):
 
 def test_the_spec_declares_graphs_for_the_capturable_backends_on_cuda_only():
     spec = load_spec()
-    declared = {name for name in spec.backend_names("torch") if spec.backends[name].frameworks["torch"].graphs}
-    assert declared == {"batched_mm", "grouped_mm", "triton"}
+    declared = {name: dict(spec.backends[name].frameworks["torch"].graphs) for name in spec.backend_names("torch")
+                if spec.backends[name].frameworks["torch"].graphs}
+    # batched_mm's bound is the memory its graph keeps (the weights it gathers); the others' keeps prefill out
+    assert declared == {"batched_mm": {"cuda": 1024}, "grouped_mm": {"cuda": 8192}, "triton": {"cuda": 8192}}
     for name in declared:
-        assert spec.backends[name].frameworks["torch"].graphs == ("cuda",)
         assert not spec.backends[name].data_dependent  # no host sync: capturable
-    assert spec.graph_threshold("torch", "cuda") == 1024
-    assert spec.graph_threshold("torch", "cpu") == 0 and spec.graph_threshold("jax", "cuda") == 0
+    assert all(not support.graphs for backend in spec.backends.values()
+               for fw, support in backend.frameworks.items() if fw != "torch")
 
 
 def test_the_spec_reads_graphs_and_their_bound():
     raw = {"contract": {"activations": ["silu"], "dtypes": ["float32"], "index_dtypes": ["int64"], "empty_slot": -1},
            "tolerance": {"float32": 1e-5},
-           "decode": {"graph_max_mib": {"torch": {"cuda": 7}}},
            "backends": {"b": {"description": "d", "torch": {"devices": ["cuda"], "dtypes": ["float32"],
-                                                            "graphs": ["cuda"]}}}}
+                                                            "graphs": {"cuda": 7}}},
+                        "c": {"description": "d", "torch": {"devices": ["cuda"], "dtypes": ["float32"]}}}}
     spec = parse_spec(raw)
-    assert spec.backends["b"].frameworks["torch"].graphs == ("cuda",)
+    assert dict(spec.backends["b"].frameworks["torch"].graphs) == {"cuda": 7}
     assert "graphs" not in spec.backends["b"].frameworks["torch"].details
-    assert spec.graph_threshold("torch", "cuda") == 7
+    assert not spec.backends["c"].frameworks["torch"].graphs
 
 
-@pytest.mark.parametrize("T, expected", [(1, True), (0, False), (10**6, False)])
+@pytest.mark.parametrize("T, expected", [(1, True), (0, False), (2_000_000, True), (3_000_000, False)])
 def test_graphable_within_the_weight_bound_named_activations_and_declared_backends(T, expected, monkeypatch):
+    """Within its backend's bound: an expert here is 4 * (2*8*16 + 16*8) bytes = 1.5 KiB, and grouped_mm's 8192 MiB
+    are 5.6 million slots (T = 2.8 million at k=2)."""
     gate_up, down = _weights()
     monkeypatch.setattr(api, "load_spec", _spec_with_graphs_on_cpu)
-    dims = moe_torch.api.check_arguments(*(api.info(t) for t in (*_inputs(T), gate_up, down, None, None)),
+    per_token = (ArrayInfo((T, H), "float32"), ArrayInfo((T, K), "int64"), ArrayInfo((T, K), "float32"))
+    dims = moe_torch.api.check_arguments(*per_token, api.info(gate_up), api.info(down), None, None,
                                          activation="silu")
     assert api._graphable("grouped_mm", "silu", gate_up, down, dims) is expected
     assert not api._graphable("grouped_mm", torch.nn.functional.silu, gate_up, down, dims)
