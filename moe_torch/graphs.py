@@ -5,16 +5,16 @@ kernels). For a backend whose spec entry has a bound for the device class in ``g
 tensor takes gradients) that may read at most that many MiB of expert weights (T*k slots times one expert's),
 outside torch.compile and outside a CUDA graph capture of the caller's, runs as a graph: captured at the first call
 of its signature (the backend, the activation, the inputs' shapes and dtypes, each weight's address, shape, strides
-and dtype), after one warm-up call on a side stream; every later call copies the hidden states, routing ids and routing weights into the graph's own
-buffers, replays it on the current stream and returns a copy of its output. The same kernels run, so the output has
-the same bits as the plain call. Weights updated in place are read as they are at each replay; a weight tensor
-replaced by another is a new signature, as are other settings of deterministic algorithms and reduced-precision
-matmuls (they pick kernels at capture).
+and dtype), after one warm-up call on a side stream; every later call copies the hidden states, routing ids and
+routing weights into the graph's own buffers, replays it on the current stream and returns a copy of its output. The
+same kernels run, so the output has the same bits as the plain call. Weights updated in place are read as they are
+at each replay; a weight tensor replaced by another is a new signature, as are other settings of deterministic
+algorithms and reduced-precision matmuls (they pick kernels at capture).
 
 Memory: every graph of a device allocates from one pool, which keeps the largest call's working memory (batched_mm's
-gathered weights, hence its bound: 1024 MiB) plus each graph's buffers; at most MAX_GRAPHS graphs are kept (the least
-recently used goes first); ``release()`` drops them all. ``MOE_TORCH_GRAPHS``: ``auto`` (default) as above, ``off``
-never. Calls from several threads or on several streams at once should turn it off.
+gathered weights, hence its bound: 1024 MiB) plus each graph's buffers; at most MAX_GRAPHS graphs are kept (the
+least recently used goes first); ``release()`` drops them all. ``MOE_TORCH_GRAPHS``: ``auto`` (default) as above,
+``off`` never. Calls from several threads or on several streams at once should turn it off.
 """
 
 from __future__ import annotations

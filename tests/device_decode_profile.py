@@ -1,10 +1,11 @@
 """Decode-size calls on the GPU, ours against transformers', kernel by kernel (not collected by pytest):
 
-    python tests/device_decode_profile.py --out DIR [--tokens 1,4,16,64]
+    PYTHONPATH=. python tests/device_decode_profile.py --out DIR [--tokens 1,4,16,64] [--paths NAME,NAME]
 
 qwen3-30b-a3b shape, bf16. For each T, each path is timed one call at a time, synced (CUDA events around the call,
-median of 5 rounds of 30 calls, the host time of the call, and the host time until it returned), then profiled once (torch.profiler: each CUDA
-kernel's name, count and device time, and how many aten ops the call ran). Paths:
+median of 5 rounds of 30 calls, the host time of the call, and the host time until it returned), then profiled once
+(torch.profiler: each CUDA kernel's name, count and device time, how many aten ops the call ran, and the host ops
+by self time). Decode graphs (moe_torch.graphs) apply to ours as to any call. Paths:
 - inference (``torch.no_grad``): moe_torch ``batched_mm`` and ``grouped_mm`` (``experts_forward``, validate off, as
   the benchmark calls them) and transformers' ``batched_mm`` and ``grouped_mm`` (``bench.peers``, the same weights);
 - batched_mm's first projection alone, in the forms it could take: each token's k gathered matrices as one
@@ -148,9 +149,9 @@ def main() -> None:
             point[name] = {"ms": round(ms, 4), "host_ms": round(host_ms, 4), "launch_ms": round(launch_ms, 4),
                            **profiled(call)}
             top = ", ".join(f"{k['name'][:40]} x{k['count']} {k['us']}us" for k in point[name]["kernels"][:4])
+            kernels, ops = point[name]["kernel_count"], point[name]["aten_ops"]
             print(f"T={tokens:3d} {name:42s} {ms:8.3f} ms (host {host_ms:7.3f}, launched {launch_ms:7.3f}) kernels "
-                  f"{point[name]['kernel_count']:3d} = {point[name]['kernel_us']:8.1f} us, aten {point[name]['aten_ops']:3d}"
-                  f" | {top}", flush=True)
+                  f"{kernels:3d} = {point[name]['kernel_us']:8.1f} us, aten {ops:3d} | {top}", flush=True)
             print("    host self:", ", ".join(f"{h['name'][:50]} x{h['count']} {h['self_us']}us"
                                              for h in point[name]["host_self_top"][:8]), flush=True)
         results["points"][tokens] = point

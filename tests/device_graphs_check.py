@@ -2,16 +2,17 @@
 
     PYTHONPATH=. python tests/device_graphs_check.py --out DIR
 
-qwen3-30b-a3b shape, bf16, inference, for each backend the spec declares graphs for (batched_mm, grouped_mm and, where
-triton is installed, triton) and T = 1, 4, 8, 16, 64 (graphs where the backend's bound allows: batched_mm to T=8; the
-others at every T here; beyond a bound, checked that nothing is captured):
+qwen3-30b-a3b shape, bf16, inference, for each backend the spec declares graphs for (batched_mm, grouped_mm and,
+where triton is installed, triton) and T = 1, 4, 8, 16, 64 (graphs where the backend's bound allows: batched_mm to
+T=8, the others at every T here; beyond a bound, checked that nothing is captured):
 - bits: three calls on different inputs (a quarter of the slots -1 in the last) through the graph equal the plain
   call (``MOE_TORCH_GRAPHS=off``) on the same inputs, under ``torch.no_grad`` and under ``torch.inference_mode``;
-  one graph captured per (backend, T) within the bound, none beyond; after an in-place update of the down weights the graph's output equals the
-  plain call's on the updated weights;
+  one graph captured per (backend, T) within the bound, none beyond; after an in-place update of the down weights
+  the graph's output equals the plain call's on the updated weights;
 - a capture of the caller's own around the call (``torch.cuda.graph``) replays the plain call's bits and leaves the
   decode graphs alone;
-- time: the call with and without its graph and transformers' same-named backend (batched_mm, grouped_mm) one call at
+- time: the call with and without its graph and transformers' same-named backend (batched_mm, grouped_mm) one call
+  at
   a time, synced (CUDA events around the call, median of 5 rounds of 30 calls; and the host time of the call);
 - memory: what the captures reserved (``torch.cuda.memory_reserved``) and the graphs kept.
 Writes DIR/graphs-check.json; prints each check and a table.
