@@ -85,6 +85,13 @@ def profiled(call) -> dict:
             "kernel_us": round(sum(k["us"] for k in listed), 1), "aten_ops": ops, "host_self_top": host_top}
 
 
+def qwen3_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The qwen3-30b-a3b shape's gate/up and down weights in bfloat16, from a fixed seed."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return ((torch.randn(E, 2 * I, H, device=device, generator=gen) / H ** 0.5).bfloat16(),
+            (torch.randn(E, H, I, device=device, generator=gen) / I ** 0.5).bfloat16())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -93,9 +100,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    gate_up = (torch.randn(E, 2 * I, H, device=device, generator=gen) / H ** 0.5).bfloat16()
-    down = (torch.randn(E, H, I, device=device, generator=gen) / I ** 0.5).bfloat16()
+    gate_up, down = qwen3_weights(device)
+    gen = torch.Generator(device=device).manual_seed(1)
     theirs = {name: transformers_peer(name)(E, H, I) for name in ("batched_mm", "grouped_mm")}
     results = {"versions": {"torch": torch.__version__, "device": torch.cuda.get_device_name()}, "points": {}}
     for tokens in (int(t) for t in args.tokens.split(",")):

@@ -23,17 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+import device_decode_profile  # the script beside this one (sys.path[0])
 import moe_torch
 from bench.peers import transformers_peer
 from moe_shared.spec import load_spec
 
-E, H, I, K = 128, 2048, 768, 8  # qwen3-30b-a3b
+E, H, I, K = device_decode_profile.E, device_decode_profile.H, device_decode_profile.I, device_decode_profile.K
 
 
 def plain(call):
@@ -44,22 +44,9 @@ def plain(call):
         os.environ[moe_torch.graphs.VARIABLE] = "auto"
 
 
-def timed(call, rounds: int = 5, calls: int = 30) -> tuple[float, float]:
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    device, host = [], []
-    for _ in range(rounds):
-        for _ in range(calls):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            host.append((time.perf_counter() - t0) * 1e3)
-            device.append(start.elapsed_time(end))
-    return statistics.median(device), statistics.median(host)
+def timed(call) -> tuple[float, float]:
+    """(median ms between CUDA events around one call, median host ms up to its result): device_decode_profile's."""
+    return device_decode_profile.timed(call)[:2]
 
 
 def main() -> None:
@@ -68,9 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    gate_up = (torch.randn(E, 2 * I, H, device=device, generator=gen) / H ** 0.5).bfloat16()
-    down = (torch.randn(E, H, I, device=device, generator=gen) / I ** 0.5).bfloat16()
+    gate_up, down = device_decode_profile.qwen3_weights(device)
     spec = load_spec()
     backends = [name for name in spec.backend_names("torch") if "cuda" in spec.backends[name].frameworks["torch"].graphs
                 and moe_torch.available_backends("cuda").get(name) is None]
