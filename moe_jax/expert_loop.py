@@ -14,7 +14,10 @@ gradient through the down weights), the activation's VJP, the input gradient sca
 (each token's k slots summed in float32), and the weight and bias gradients, summed over an expert's blocks in
 float32 (most experts take one block: nothing to add). Where the forward runs on ``expert_rows``, the backward's two
 products through the weights (the output gradient through the down weights, the pre-activation gradient through
-the gate/up weights) run on its transposed mode (``expert_rows_transposed``), the weights read in place.
+the gate/up weights) run on its transposed mode (``expert_rows_transposed``), the weights read in place; and
+without biases, up to WEIGHT_GRADS_MEAN_ROWS rows per expert, the loop only keeps each row of dh, gw and a, and one
+``moe_weight_grads`` call per weight writes every expert's gradient once, in bfloat16, after it (no float32 [N, H]
+per expert rounded into the gradient: on the qwen3-cpu shape that took 80 of a 122 ms training step at T=64).
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ def _mean_rows(rows: int, experts: int) -> int:
 # 29 against 31 ms at T=512, 35 against 45 at 1024, 62 against 68 at 2048, 112 against 123 at 4096 (blocks of up to
 # MAX_BLOCK rows). Its AVX512-BF16 way matched XLA at 8 rows.
 ROW_KERNEL_MEAN_ROWS = {True: None, False: 8}
+# mean rows per expert up to which the backward's weight gradients come from moe_weight_grads (each expert's written
+# once in bfloat16, from the rows of all its blocks kept in the loop) rather than from XLA's dots per block summed
+# into float32 [N, H] and [H, I] and rounded into the gradients per expert. qwen3-cpu training step on a 2-core Xeon
+# (AMX), one process: T=1 8.0 against 13.4 ms, T=4 25 against 46, T=16 65 against 95, T=64 83 against 113, T=128
+# (16 rows) 95 against 113; at T=256 (32 rows) 129 against 122: its AVX512-BF16 products lose to XLA's AMX dots
+WEIGHT_GRADS_MEAN_ROWS = 16
 ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 8}
 
 
@@ -237,6 +246,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
     hit, n_hit, starts, ends = hit_experts(group_sizes)
     biased = gate_up_bias is not None
     row_kernel = uses_row_kernel(S, E, x, gate_up, down)
+    fused = row_kernel and not biased and _mean_rows(S, E) <= WEIGHT_GRADS_MEAN_ROWS
 
     def expert(carry):
         i, dx, dweights, grads, acc, invariant = carry
@@ -264,10 +274,15 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
             dweights = lax.dynamic_update_slice(dweights, dw, (row,))
             gw = (g.astype(jnp.float32) * w).astype(x.dtype)  # zero past the block's rows
             dh = act_vjp(t * w)
-            terms = (_dot(_transposed(gw), a.astype(x.dtype), (1, 0)), _dot(_transposed(dh), _gather(x, tok), (1, 0)),
-                     jnp.sum(gw.astype(jnp.float32), axis=0) if biased else None,
-                     jnp.sum(dh.astype(jnp.float32), axis=0) if biased else None)
-            acc = terms if first else jax.tree.map(jnp.add, acc, terms)
+            if fused:  # the rows the weight gradients are made of, kept for moe_weight_grads after the loop
+                acc = tuple(lax.dynamic_update_slice(kept, bits(v.astype(x.dtype)), (row, 0))
+                            for kept, v in zip(acc, (dh, gw, a)))
+            else:
+                terms = (_dot(_transposed(gw), a.astype(x.dtype), (1, 0)),
+                         _dot(_transposed(dh), _gather(x, tok), (1, 0)),
+                         jnp.sum(gw.astype(jnp.float32), axis=0) if biased else None,
+                         jnp.sum(dh.astype(jnp.float32), axis=0) if biased else None)
+                acc = terms if first else jax.tree.map(jnp.add, acc, terms)
             dx = dx.at[tok].add(through_gate_up(dh, live))
             return dx, dweights, acc, (x, dout, pre)
 
@@ -275,24 +290,36 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
         dx, dweights, acc, _ = _cover(starts[e], ends[e], sizes, step, (dx, dweights, acc, (x, dout, pre)))
         # written as raw bits into gradients kept in their dtype: XLA:CPU updates them in place, and they are the
         # outputs (a buffer of bits would be copied out once more)
-        grads = tuple(None if g is None else from_bits(
-            lax.dynamic_update_index_in_dim(bits(g), bits(a.astype(g.dtype)), e, 0), g.dtype)
-            for g, a in zip(grads, acc))
+        if not fused:
+            grads = tuple(None if g is None else from_bits(
+                lax.dynamic_update_index_in_dim(bits(g), bits(a.astype(g.dtype)), e, 0), g.dtype)
+                for g, a in zip(grads, acc))
         return i + 1, dx, dweights, grads, acc, (x, dout, pre, gate_up, down, gate_up_bias, down_bias)
 
-    # the library's zeros release the pages of the weight gradients where most experts get no slot (fewer slots than
-    # experts); where most get some, XLA's own zeros were faster (qwen3-cpu training step on a 2-core Xeon: 46
-    # against 61 ms at T=4, 79 against 82 at T=8, 109 against 100 at T=16, 122 against 113 at T=64, 143 against 122
-    # at T=256; memset from the library instead, 90, 112, 129, 162, 187 ms: XLA's buffers are fresh pages)
-    zeros = expert_rows.zeros if row_kernel and S < E else jnp.zeros
-    grads = tuple(None if a is None else zeros(a.shape, a.dtype) for a in (down, gate_up, down_bias, gate_up_bias))
     dx = jnp.zeros(x.shape, jnp.float32)
     dweights = jnp.zeros(weights.shape, jnp.float32)
-    acc = (jnp.zeros((H, I), jnp.float32), jnp.zeros((N, H), jnp.float32),
-           jnp.zeros((H,), jnp.float32) if biased else None, jnp.zeros((N,), jnp.float32) if biased else None)
+    if fused:  # the rows of dh, gw and a (released pages: only the experts' rows are written, and read)
+        grads = ()
+        acc = tuple(expert_rows.zeros((token.shape[0], width), bits_dtype(x.dtype)) for width in (N, H, I))
+    else:
+        # the library's zeros release the pages of the weight gradients where most experts get no slot (fewer
+        # slots than experts); where most get some, XLA's own zeros were faster (qwen3-cpu training step on a 2-core
+        # Xeon: 46 against 61 ms at T=4, 79 against 82 at T=8, 109 against 100 at T=16, 122 against 113 at T=64, 143
+        # against 122 at T=256; memset from the library instead, 90, 112, 129, 162, 187 ms: XLA's buffers are fresh)
+        zeros = expert_rows.zeros if row_kernel and S < E else jnp.zeros
+        grads = tuple(None if a is None else zeros(a.shape, a.dtype) for a in (down, gate_up, down_bias, gate_up_bias))
+        acc = (jnp.zeros((H, I), jnp.float32), jnp.zeros((N, H), jnp.float32),
+               jnp.zeros((H,), jnp.float32) if biased else None, jnp.zeros((N,), jnp.float32) if biased else None)
     invariant = (x, dout.astype(x.dtype), pre, gate_up, down, gate_up_bias, down_bias)
-    _, dx, dweights, grads, _, _ = lax.while_loop(lambda c: c[0] < n_hit, expert,
-                                                  (0, dx, dweights, grads, acc, invariant))
+    _, dx, dweights, grads, acc, _ = lax.while_loop(lambda c: c[0] < n_hit, expert,
+                                                    (0, dx, dweights, grads, acc, invariant))
+    if fused:  # with fewer slots than experts, most gradients are the idle experts' zeros: released pages
+        dh, gw, a = (from_bits(kept, x.dtype) for kept in acc)
+        into = (lambda w: expert_rows.zeros(w.shape, w.dtype)) if S < E else (lambda w: None)
+        d_gate_up = expert_rows.weight_grads(dh, x, token, starts, ends, into(gate_up))
+        d_down = expert_rows.weight_grads(gw, a, jnp.arange(token.shape[0], dtype=jnp.int32), starts, ends,
+                                          into(down))
+        return dx.astype(x.dtype), dweights, d_gate_up, d_down, None, None
     d_down, d_gate_up, d_down_b, d_gate_up_b = grads
     return dx.astype(x.dtype), dweights, d_gate_up, d_down, d_gate_up_b, d_down_b
 

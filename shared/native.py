@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
-KERNEL_DIR = Path(__file__).with_name("kernels")  # expert_rows.h, slot_rows.h, zero_pages.h
+KERNEL_DIR = Path(__file__).with_name("kernels")  # expert_rows.h, slot_rows.h, weight_grads.h, zero_pages.h
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # as /proc/cpuinfo spells them
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # -ffp-contract=off: products and sums rounded as written, never fused (expert_rows_add gives XLA's scatter-add bits)

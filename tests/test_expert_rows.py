@@ -218,8 +218,8 @@ def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, 
 def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, monkeypatch):
     """bfloat16: the backward's products through the weights (the output gradient through the down weights, the
     pre-activation gradient through the gate/up weights) are moe_expert_rows_transposed's custom calls, two in each
-    loop over blocks (an expert's first block, one loop per block size; its further blocks), and every dot left is
-    a weight gradient ([2I, H] or [H, I]): none on a slice of the weights. With MOE_JAX_ROW_KERNEL=off or in
+    loop over blocks (an expert's first block, one loop per block size; its further blocks), and the weight
+    gradients moe_weight_grads' two: no dot is left. With MOE_JAX_ROW_KERNEL=off or in
     float32, XLA's dots on the weight slices instead. The forward and every gradient within the tolerance table
     each way."""
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
@@ -250,10 +250,10 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
         hlo = call.lower(diff, g).compile().as_text()
         calls = hlo.count('custom_call_target="moe_expert_rows_transposed"')
         assert calls == (2 * (len(block_sizes) + 1) if runs else 0), (setting, dtype, calls)
-        # as many slots as experts or more: the weight gradients start as XLA's zeros (test below)
-        assert hlo.count('custom_call_target="moe_zeros"') == 0, (setting, dtype)
+        # the weight gradients come from moe_weight_grads, written once per expert (test below)
+        assert hlo.count('custom_call_target="moe_weight_grads"') == (2 if runs else 0), (setting, dtype)
         dots = {(int(a), int(b)) for a, b in re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", hlo)}
-        assert (dots <= weight_gradients) == runs, (setting, dtype, dots)
+        assert (not dots) if runs else not dots <= weight_gradients, (setting, dtype, dots)
         out, grads = call(diff, g)
         name = jnp.dtype(dtype).name
         assert_close("out", np.asarray(out, np.float64), expected["out"], name)
@@ -261,13 +261,15 @@ def test_grouped_mm_bfloat16_backward_runs_the_transposed_row_kernel(way, T, mon
             assert_close(f"grad_{n}", np.asarray(grad, np.float64), expected[n], name)
 
 
-@pytest.mark.parametrize("T, E", [(3, 16), (8, 16)])
+# (T, E) at k=2: fewer slots than experts; as many; over WEIGHT_GRADS_MEAN_ROWS rows per expert (XLA's dots)
+@pytest.mark.parametrize("T, E", [(3, 16), (8, 16), (40, 2)])
 @needs_kernel
-def test_grouped_mm_backward_weight_gradients_start_from_released_pages_under_one_slot_per_expert(T, E, monkeypatch):
-    """bfloat16 on the row kernel: with fewer slots than experts (T*k < E: most experts idle) the two weight
-    gradients start as the library's zeros, their pages released (by default no huge pages asked; with
-    MOE_EXPERTS_HUGE_PAGES=1 they are, and the bits are the same); with as many slots or more, as XLA's zeros. The
-    gradients within the tolerance table either way."""
+def test_grouped_mm_backward_weight_gradients_by_rows_per_expert(T, E, monkeypatch):
+    """bfloat16 on the row kernel: up to WEIGHT_GRADS_MEAN_ROWS rows per expert the weight gradients come from
+    moe_weight_grads, from the rows of dh, gw and a the loop keeps (three buffers of the library's zeros); with
+    fewer slots than experts into the library's zeros (released pages: the idle experts are never written; by
+    default no huge pages asked, with MOE_EXPERTS_HUGE_PAGES=1 they are, and the bits are the same). Above it, XLA's
+    dots per block into XLA's zeros. The gradients within the tolerance table each way."""
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL", "auto")
     H, I, k = 40, 24, 2
     arrays, dy = random_case(T + 7, T=T, H=H, I=I, E=E, k=k, bias=False, empty_fraction=0.0)
@@ -284,9 +286,12 @@ def test_grouped_mm_backward_weight_gradients_start_from_released_pages_under_on
     diff, g = [values[n] for n in names], jnp.asarray(dy, jnp.bfloat16)
     call = jax.jit(grads)
     hlo = call.lower(diff, g).compile().as_text()
-    released = T * k < E
-    assert hlo.count('custom_call_target="moe_zeros"') == 2 * released
-    assert hlo.count("from_bytes = -1") == 2 * released
+    fused = T * k <= expert_loop.WEIGHT_GRADS_MEAN_ROWS * E
+    released = fused and T * k < E
+    assert hlo.count('custom_call_target="moe_weight_grads"') == 2 * (fused and not released)
+    assert hlo.count('custom_call_target="moe_weight_grads_into"') == 2 * released
+    assert hlo.count('custom_call_target="moe_zeros"') == 3 * fused + 2 * released
+    assert hlo.count("from_bytes = -1") == 3 * fused + 2 * released
     got = call(diff, g)
     for n, grad in got.items():
         assert_close(f"grad_{n}", np.asarray(grad, np.float64), expected[n], "bfloat16")
@@ -296,6 +301,47 @@ def test_grouped_mm_backward_weight_gradients_start_from_released_pages_under_on
         assert advised.lower(diff, g).compile().as_text().count("from_bytes = -1") == 0
         for n, grad in advised(diff, g).items():
             np.testing.assert_array_equal(np.asarray(grad), np.asarray(got[n]), err_msg=n)
+
+
+@pytest.mark.parametrize("S, N, K, R, E", [(13, 40, 24, 7, 5), (9, 17, 33, 4, 3), (64, 96, 272, 16, 8)])
+@needs_kernel
+def test_weight_grads_sum_each_experts_outer_products(S, N, K, R, E):
+    """moe_weight_grads: per expert, the outer products of its left rows and their right rows (gathered), summed in
+    float32 and rounded once: within one bfloat16 rounding of the float64 sums (K off multiples of 16 and 32, odd
+    row counts: a pair's missing row); an expert without rows zeros, or with ``into`` as ``into`` holds it (other
+    experts overwritten); the same bits on every call."""
+    rng = np.random.default_rng(S)
+    left = jnp.asarray(rng.standard_normal((S, N)), jnp.bfloat16)
+    right = jnp.asarray(rng.standard_normal((R, K)), jnp.bfloat16)
+    rows = jnp.asarray(rng.integers(0, R, S), jnp.int32)
+    cuts = np.sort(rng.integers(0, S + 1, E - 1))
+    start, end = np.concatenate([[0], cuts]), np.concatenate([cuts, [S]])
+    start[1] = end[1] = start[1]  # expert 1 without rows
+    args = (left, right, rows, jnp.asarray(start, jnp.int32), jnp.asarray(end, jnp.int32))
+    got = np.asarray(jax.jit(expert_rows.weight_grads)(*args), np.float64)
+    L, gathered = np.asarray(left, np.float64), np.asarray(right, np.float64)[np.asarray(rows)]
+    want = np.stack([L[a:b].T @ gathered[a:b] for a, b in zip(start, end)])
+    assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 1e-30)
+    empty = start >= end  # expert 1, and any other the cuts left without rows
+    assert not got[empty].any()
+    np.testing.assert_array_equal(np.asarray(jax.jit(expert_rows.weight_grads)(*args)), got.astype(np.float32))
+    held = jnp.full((E, N, K), 3, jnp.bfloat16)
+    into = np.asarray(jax.jit(expert_rows.weight_grads)(*args, held), np.float64)
+    assert np.all(into[empty] == 3) and np.array_equal(into[~empty], got[~empty])
+
+
+@needs_kernel
+def test_weight_grads_name_bad_operands():
+    left, right = jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((3, 16), jnp.bfloat16)
+    rows, start, end = jnp.zeros(4, jnp.int32), jnp.asarray([0, 2], jnp.int32), jnp.asarray([2, 4], jnp.int32)
+    with pytest.raises(ValueError, match=r"left: expected a 2-D bfloat16 array, got float32 of shape \(4, 8\)"):
+        expert_rows.weight_grads(left.astype(jnp.float32), right, rows, start, end)
+    with pytest.raises(ValueError, match=r"into: expected a bfloat16 array of shape \(2, 8, 16\)"):
+        expert_rows.weight_grads(left, right, rows, start, end, jnp.zeros((2, 8, 15), jnp.bfloat16))
+    with pytest.raises(Exception, match="moe_weight_grads: right_row index out of range"):
+        jax.block_until_ready(expert_rows.weight_grads(left, right, rows.at[1].set(3), start, end))
+    with pytest.raises(Exception, match="moe_weight_grads: an expert's rows lie outside left"):
+        jax.block_until_ready(expert_rows.weight_grads(left, right, rows, start, end.at[1].set(5)))
 
 
 @pytest.mark.parametrize("shape, dtype", [((3, 5), jnp.bfloat16), ((17,), jnp.float32), ((9, 1024, 1024), jnp.float32),
