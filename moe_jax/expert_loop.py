@@ -313,12 +313,11 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
     invariant = (x, dout.astype(x.dtype), pre, gate_up, down, gate_up_bias, down_bias)
     _, dx, dweights, grads, acc, _ = lax.while_loop(lambda c: c[0] < n_hit, expert,
                                                     (0, dx, dweights, grads, acc, invariant))
-    if fused:  # with fewer slots than experts, most gradients are the idle experts' zeros: released pages
+    if fused:  # into released pages: an idle expert's gradient is never written (XLA's buffers are fresh pages)
         dh, gw, a = (from_bits(kept, x.dtype) for kept in acc)
-        into = (lambda w: expert_rows.zeros(w.shape, w.dtype)) if S < E else (lambda w: None)
-        d_gate_up = expert_rows.weight_grads(dh, x, token, starts, ends, into(gate_up))
+        d_gate_up = expert_rows.weight_grads(dh, x, token, starts, ends, expert_rows.zeros(gate_up.shape, x.dtype))
         d_down = expert_rows.weight_grads(gw, a, jnp.arange(token.shape[0], dtype=jnp.int32), starts, ends,
-                                          into(down))
+                                          expert_rows.zeros(down.shape, x.dtype))
         return dx.astype(x.dtype), dweights, d_gate_up, d_down, None, None
     d_down, d_gate_up, d_down_b, d_gate_up_b = grads
     return dx.astype(x.dtype), dweights, d_gate_up, d_down, d_gate_up_b, d_down_b

@@ -6,7 +6,7 @@
 // sum_n x[b, n] * w[e, n, k] for x [B, N] and w [E, N, K] (rows from `count` on zeros), on the same weights in
 // place. The kernel is moe_shared's expert_rows.h (attribute `amx`: its AMX way, else AVX512-BF16); its chunks are
 // taken by the calling thread and one task on XLA's intra-op pool. moe_weight_grads: weight_grads.h's per-expert
-// bfloat16 weight gradients from rows grouped by expert, on the same threads. moe_zeros: a zero-filled result
+// bfloat16 weight gradients from rows grouped by expert, into an aliased operand, on the same threads. moe_zeros: a zero-filled result
 // (zero_pages.h: a large one's whole pages released rather than written) whose whole 2 MB pages are then marked
 // for transparent huge pages (from `from_bytes` on, none where it is negative; XLA's allocator cannot be advised,
 // and a fresh large buffer otherwise faults once per 4 KB page as it is first written).
@@ -127,45 +127,34 @@ ffi::Error Zeros(ffi::Result<ffi::AnyBuffer> out, int64_t from_bytes) {
   return ffi::Error::Success();
 }
 
-// out [E, N, K] = per expert e, the sum over left rows r in [start[e], end[e]) of left[r] [N] times right row
-// right_row[r] [K] (weight_grads.h), on the calling thread and one pool task; an expert without rows is zeros, or
-// with `into` (which out aliases) left as it is there
-ffi::Error WeightGradsOf(ffi::ThreadPool& pool, ffi::AnyBuffer& left, ffi::AnyBuffer& right,
-                         ffi::Buffer<ffi::S32>& right_row, ffi::Buffer<ffi::S32>& start, ffi::Buffer<ffi::S32>& end,
-                         ffi::Result<ffi::AnyBuffer>& out, bool keep_empty, const char* target) {
+// out [E, N, K] (aliasing `into`) = per expert e, the sum over left rows r in [start[e], end[e]) of left[r] [N]
+// times right row right_row[r] [K] (weight_grads.h); an expert without rows left as it is in `into`. On the calling
+// thread and one pool task.
+ffi::Error WeightGrads(ffi::ThreadPool pool, ffi::AnyBuffer left, ffi::AnyBuffer right,
+                       ffi::Buffer<ffi::S32> right_row, ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end,
+                       ffi::AnyBuffer into, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kTarget = "moe_weight_grads";
   const auto ld = left.dimensions(), rd = right.dimensions(), od = out->dimensions();
   if (left.element_type() != ffi::BF16 || right.element_type() != ffi::BF16 || out->element_type() != ffi::BF16 ||
       ld.size() != 2 || rd.size() != 2 || od.size() != 3 || od[1] != ld[1] || od[2] != rd[1])
-    return Invalid(target, "expected left [S, N], right [R, K] and out [E, N, K] in bfloat16");
+    return Invalid(kTarget, "expected left [S, N], right [R, K] and out [E, N, K] in bfloat16");
   if (right_row.element_count() != ld[0] || start.element_count() != od[0] || end.element_count() != od[0])
-    return Invalid(target, "expected right_row [S], start [E] and end [E]");
+    return Invalid(kTarget, "expected right_row [S], start [E] and end [E]");
+  if (out->untyped_data() != into.untyped_data()) return Invalid(kTarget, "out must alias into");
   const int32_t *rows = right_row.typed_data(), *first = start.typed_data(), *last = end.typed_data();
   for (int64_t e = 0; e < od[0]; ++e) {
     if (first[e] < last[e] && (first[e] < 0 || last[e] > ld[0]))
-      return Invalid(target, "an expert's rows lie outside left");
+      return Invalid(kTarget, "an expert's rows lie outside left");
     for (int64_t r = first[e]; r < last[e]; ++r)
-      if (rows[r] < 0 || rows[r] >= rd[0]) return Invalid(target, "right_row index out of range");
+      if (rows[r] < 0 || rows[r] >= rd[0]) return Invalid(kTarget, "right_row index out of range");
   }
   auto job = std::make_shared<moe_rows::WeightGradsJob>(moe_rows::WeightGradShape{
       static_cast<const uint16_t*>(left.untyped_data()), static_cast<const uint16_t*>(right.untyped_data()), rows,
-      first, last, static_cast<uint16_t*>(out->untyped_data()), od[0], od[1], od[2], keep_empty});
+      first, last, static_cast<uint16_t*>(out->untyped_data()), od[0], od[1], od[2]});
   if (job->units() > 1) pool.Schedule([job] { job->Run(); });  // a task that starts late finds no unit left
   job->Run();
   job->Wait();
   return ffi::Error::Success();
-}
-
-ffi::Error WeightGrads(ffi::ThreadPool pool, ffi::AnyBuffer left, ffi::AnyBuffer right,
-                       ffi::Buffer<ffi::S32> right_row, ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end,
-                       ffi::Result<ffi::AnyBuffer> out) {
-  return WeightGradsOf(pool, left, right, right_row, start, end, out, false, "moe_weight_grads");
-}
-
-ffi::Error WeightGradsInto(ffi::ThreadPool pool, ffi::AnyBuffer left, ffi::AnyBuffer right,
-                           ffi::Buffer<ffi::S32> right_row, ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end,
-                           ffi::AnyBuffer into, ffi::Result<ffi::AnyBuffer> out) {
-  if (out->untyped_data() != into.untyped_data()) return Invalid("moe_weight_grads_into", "out must alias into");
-  return WeightGradsOf(pool, left, right, right_row, start, end, out, true, "moe_weight_grads_into");
 }
 
 // the operands every target starts with
@@ -174,17 +163,6 @@ auto RowsBinding() {
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>();
-}
-
-// the operands both weight-gradient targets start with
-auto WeightGradsBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>();
 }
@@ -205,10 +183,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_add, ExpertRowsAdd,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("amx"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_weight_grads, WeightGrads, WeightGradsBinding().Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_weight_grads_into, WeightGradsInto,
-                              WeightGradsBinding().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+// left, right, right_row, start, end and into
+XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_weight_grads, WeightGrads,
+                              RowsBinding()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_zeros, Zeros,
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("from_bytes"));

@@ -30,7 +30,6 @@ ADD_TARGET = "moe_expert_rows_add"
 TRANSPOSED_TARGET = "moe_expert_rows_transposed"
 ZEROS_TARGET = "moe_zeros"
 WEIGHT_GRADS_TARGET = "moe_weight_grads"
-WEIGHT_GRADS_INTO_TARGET = "moe_weight_grads_into"
 VARIABLE = "MOE_JAX_ROW_KERNEL"
 _LOADED: list = []  # the loaded library stays referenced while the process runs
 
@@ -47,8 +46,6 @@ def unavailable() -> str | None:
                                     platform="cpu")
         jax.ffi.register_ffi_target(ZEROS_TARGET, jax.ffi.pycapsule(library.moe_zeros), platform="cpu")
         jax.ffi.register_ffi_target(WEIGHT_GRADS_TARGET, jax.ffi.pycapsule(library.moe_weight_grads),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(WEIGHT_GRADS_INTO_TARGET, jax.ffi.pycapsule(library.moe_weight_grads_into),
                                     platform="cpu")
         _LOADED.append(library)
     return reason
@@ -113,25 +110,22 @@ def expert_rows_transposed(x, weights, expert, count):
     return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), amx=amx())
 
 
-def weight_grads(left, right, right_row, start, end, into=None):
-    """bfloat16 [E, N, K]: per expert e, the sum over rows r in [start[e], end[e]) of the outer product of ``left[r]``
-    [N] and ``right[right_row[r]]`` [K] (float32 sums of exact bfloat16 products, two rows at a time in row order,
-    rounded once): an expert's weight gradient written once, straight into the result. An expert without rows is
-    zeros, or with ``into`` [E, N, K] (updated in place) left as it is there (``zeros()``' released pages: the idle
-    experts of a decode step cost nothing). ``left`` [S, N] and ``right`` [R, K] bfloat16; ``right_row`` [S],
+def weight_grads(left, right, right_row, start, end, into):
+    """``into`` [E, N, K] bfloat16 (updated in place) with, per expert e that has rows, the sum over rows r in
+    [start[e], end[e]) of the outer product of ``left[r]`` [N] and ``right[right_row[r]]`` [K] (float32 sums of exact
+    bfloat16 products, two rows at a time in row order, rounded once): an expert's weight gradient written once,
+    straight into the result. An expert without rows is left as ``into`` holds it (``zeros()``' released pages: the
+    idle experts of a decode step cost nothing). ``left`` [S, N] and ``right`` [R, K] bfloat16; ``right_row`` [S],
     ``start`` and ``end`` [E] int32."""
     for name, array in (("left", left), ("right", right)):
         if array.dtype != jnp.bfloat16 or array.ndim != 2:
             raise ValueError(f"{name}: expected a 2-D bfloat16 array, got {array.dtype} of shape {tuple(array.shape)}")
     kind = jax.ShapeDtypeStruct((start.shape[0], left.shape[1], right.shape[1]), jnp.bfloat16)
-    if into is not None and (into.shape != kind.shape or into.dtype != kind.dtype):
+    if into.shape != kind.shape or into.dtype != kind.dtype:
         raise ValueError(f"into: expected a bfloat16 array of shape {kind.shape}, got {into.dtype} of shape "
                          f"{tuple(into.shape)}")
-    operands = (left, right, right_row.astype(jnp.int32), start.astype(jnp.int32), end.astype(jnp.int32))
-    if into is None:
-        return jax.ffi.ffi_call(WEIGHT_GRADS_TARGET, kind, vmap_method="sequential")(*operands)
-    call = jax.ffi.ffi_call(WEIGHT_GRADS_INTO_TARGET, kind, vmap_method="sequential", input_output_aliases={5: 0})
-    return call(*operands, into)
+    call = jax.ffi.ffi_call(WEIGHT_GRADS_TARGET, kind, vmap_method="sequential", input_output_aliases={5: 0})
+    return call(left, right, right_row.astype(jnp.int32), start.astype(jnp.int32), end.astype(jnp.int32), into)
 
 
 def zeros(shape: tuple[int, ...], dtype) -> jax.Array:

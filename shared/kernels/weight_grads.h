@@ -1,8 +1,8 @@
 // Weight gradients of rows grouped by expert, for the bindings of the row kernel's library: for each expert e,
 //   out[e][n, k] = sum over its rows r in [start[e], end[e]) of left[r, n] * right[right_row[r], k]
 // ([N] by [K] outer products), in float32 and rounded to bfloat16 once, written straight into the [E, N, K]
-// gradient (zeros for an expert without rows, or with keep_empty nothing: the caller's zeros, e.g. released pages
-// that cost nothing unless written): no float32 [N, K] per expert in memory, no second pass to round it.
+// gradient; an expert without rows is left as `out` holds it (the caller's zeros: released pages cost nothing
+// unless written). No float32 [N, K] per expert in memory, no second pass to round it.
 // Rows go in pairs through AVX512-BF16 dot products (each pair's right rows interleaved once per unit of work, a
 // missing second row as zeros), so the sums are of exact bfloat16 products, a pair at a time, in row order: the
 // same bits on every run. A unit of work is one expert's kGradRows output rows; the threads that run a job share
@@ -13,7 +13,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace moe_rows {
@@ -29,7 +28,6 @@ struct WeightGradShape {
   const int32_t* end;         // [E]
   uint16_t* out;              // [E, N, K] bfloat16
   int64_t E, N, K;
-  bool keep_empty = false;    // leave an expert without rows as `out` holds it (else write its zeros)
 };
 
 class WeightGradsJob {
@@ -57,10 +55,7 @@ class WeightGradsJob {
     const int64_t N = s_.N, K = s_.K, n1 = n0 + kGradRows < N ? n0 + kGradRows : N;
     uint16_t* out = s_.out + e * N * K;
     const int64_t first = s_.start[e], rows = s_.end[e] - first;
-    if (rows <= 0) {
-      if (!s_.keep_empty) std::memset(out + n0 * K, 0, static_cast<size_t>((n1 - n0) * K) * sizeof(uint16_t));
-      return;
-    }
+    if (rows <= 0) return;
     const int64_t pairs = (rows + 1) / 2, width = (K + 15) / 16 * 16;  // columns per packed pair, padded
     packed.resize(static_cast<size_t>(pairs * width));
     for (int64_t p = 0; p < pairs; ++p) Interleave(first + 2 * p, 2 * p + 1 < rows, packed.data() + p * width);
