@@ -59,13 +59,14 @@ def _mean_rows(rows: int, experts: int) -> int:
 # 29 against 31 ms at T=512, 35 against 45 at 1024, 62 against 68 at 2048, 112 against 123 at 4096 (blocks of up to
 # MAX_BLOCK rows). Its AVX512-BF16 way matched XLA at 8 rows.
 ROW_KERNEL_MEAN_ROWS = {True: None, False: 8}
+ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 8}
 # mean rows per expert up to which the backward's weight gradients come from moe_weight_grads (each expert's written
 # once in bfloat16, from the rows of all its blocks kept in the loop) rather than from XLA's dots per block summed
 # into float32 [N, H] and [H, I] and rounded into the gradients per expert. qwen3-cpu training step on a 2-core Xeon
-# (AMX), one process: T=1 8.0 against 13.4 ms, T=4 25 against 46, T=16 65 against 95, T=64 83 against 113, T=128
-# (16 rows) 95 against 113; at T=256 (32 rows) 129 against 122: its AVX512-BF16 products lose to XLA's AMX dots
+# (AMX), one process: T=1 8.0 against 13.4 ms, T=4 25 against 46, T=8 43 against 79, T=16 65 against 95, T=64 83
+# against 113, T=128 (16 rows) 95 against 113; at T=256 (32 rows) 129 against 122: its AVX512-BF16 products lose to
+# XLA's AMX dots
 WEIGHT_GRADS_MEAN_ROWS = 16
-ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 8}
 
 
 def uses_row_kernel(rows: int, experts: int, *operands) -> bool:
