@@ -102,18 +102,15 @@ def experts_forward(
     # Per-token inputs are small: made contiguous, strided ones give bit-identical results. Weights are used in
     # place (no per-call copy); strided weights agree with contiguous ones to rounding.
     hidden_states, top_k_index, top_k_weights = (t.contiguous() for t in (hidden_states, top_k_index, top_k_weights))
+
+    def call(hidden_states, top_k_index, top_k_weights):
+        return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                  activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
+
     weights = (gate_up_proj, down_proj, gate_up_bias, down_bias)
     if graphable and graphs.wanted((hidden_states, top_k_weights, *weights)):
-        return graphs.run((key, graphs.weights_key(weights)), _call, (hidden_states, top_k_index, top_k_weights),
-                          weights, {"fn": fn, "activation": activation})
-    return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-              activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
-
-
-def _call(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *, fn,
-          activation):
-    return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-              activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias)
+        return graphs.run((key, graphs.weights_key(weights)), call, (hidden_states, top_k_index, top_k_weights))
+    return call(hidden_states, top_k_index, top_k_weights)
 
 
 def _graphable(implementation: str, activation, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dims) -> bool:

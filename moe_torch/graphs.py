@@ -68,19 +68,19 @@ def weights_key(tensors) -> tuple:
             matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
 
 
-def run(key: tuple, forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
-        weights: tuple[torch.Tensor | None, ...], kwargs: dict) -> torch.Tensor:
-    """``forward(*inputs, *weights, **kwargs)`` through the graph of ``key`` (captured now where there is none)."""
+def run(key: tuple, call: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``call(*inputs)`` through the graph of ``key`` (captured now where there is none); ``call`` reads the weights
+    of ``key`` where they lie."""
     entry = _GRAPHS.get(key, _GRAPHS)
     if entry is _GRAPHS:
-        entry = _capture(forward, inputs, weights, kwargs)
+        entry = _capture(call, inputs)
         _GRAPHS[key] = entry
         if len(_GRAPHS) > MAX_GRAPHS:
             _GRAPHS.popitem(last=False)
     else:
         _GRAPHS.move_to_end(key)
     if entry is None:
-        return forward(*inputs, *weights, **kwargs)
+        return call(*inputs)
     for buffer, t in zip(entry.inputs, inputs):
         buffer.copy_(t)
     entry.graph.replay()
@@ -94,7 +94,7 @@ def _pool(device: torch.device) -> tuple:
     return _POOLS[index]
 
 
-def _capture(forward, inputs, weights, kwargs) -> _Graph | None:
+def _capture(call, inputs) -> _Graph | None:
     """One warm-up call on a side stream (lazy initialisation, kernel compilation), then the capture."""
     device = inputs[0].device
     with torch.cuda.device(device), torch.inference_mode(False), torch.no_grad():
@@ -103,12 +103,12 @@ def _capture(forward, inputs, weights, kwargs) -> _Graph | None:
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            forward(*buffers, *weights, **kwargs)
+            call(*buffers)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=_pool(device)):
-                output = forward(*buffers, *weights, **kwargs)
+                output = call(*buffers)
         except RuntimeError as err:  # e.g. a host sync in a path the spec did not foresee: run the call plainly
             warnings.warn(f"moe_torch: the decode graph of this call could not be captured, it runs without one "
                           f"({type(err).__name__}: {err})", RuntimeWarning, stacklevel=4)
