@@ -1,5 +1,5 @@
-"""The CPU row kernel's builds (``kernels/expert_rows.h``, ``slot_rows.h``, ``zero_pages.h``; one binding per framework):
-compiled on the user's machine at first use with the host's C++ compiler (``$CXX``, else ``c++``) into
+"""The CPU row kernel's builds (``kernels/expert_rows.h``, ``slot_rows.h``, ``weight_grads.h``, ``zero_pages.h``;
+one binding per framework): compiled on the user's machine at first use with the host's C++ compiler (``$CXX``, else ``c++``) into
 ``$MOE_EXPERTS_CACHE`` (default ``~/.cache/moe_experts``), cached by source, every kernel header, flags, compiler
 and the binding's own key (its framework's version).
 
