@@ -1,7 +1,7 @@
 """The CPU row kernel's builds (``kernels/expert_rows.h``, ``slot_rows.h``, ``weight_grads.h``, ``zero_pages.h``;
-one binding per framework): compiled on the user's machine at first use with the host's C++ compiler (``$CXX``, else ``c++``) into
-``$MOE_EXPERTS_CACHE`` (default ``~/.cache/moe_experts``), cached by source, every kernel header, flags, compiler
-and the binding's own key (its framework's version).
+one binding per framework): compiled on the user's machine at first use with the host's C++ compiler (``$CXX``,
+else ``c++``) into ``$MOE_EXPERTS_CACHE`` (default ``~/.cache/moe_experts``), cached by source, every kernel header,
+flags, compiler and the binding's own key (its framework's version).
 
 Each binding has a mode variable (``MOE_JAX_ROW_KERNEL``, ``MOE_TORCH_ROW_KERNEL``): ``auto`` (default) uses the
 kernel where the CPU has AVX512-BF16 and the build succeeds (warning once when the build fails); ``on`` raises
