@@ -57,9 +57,15 @@ def _mean_rows(rows: int, experts: int) -> int:
 # expert_rows.amx(). With AMX at every size: qwen3-cpu gate/up weights on a 2-core Xeon, per expert, 50 us at 16
 # rows, 92 at 64, 145 at 128, 294 at 256, against XLA's copy and dot 160, 209, 250-400, 410-540; the whole forward
 # 29 against 31 ms at T=512, 35 against 45 at 1024, 62 against 68 at 2048, 112 against 123 at 4096 (blocks of up to
-# MAX_BLOCK rows). Its AVX512-BF16 way matched XLA at 8 rows.
-ROW_KERNEL_MEAN_ROWS = {True: None, False: 8}
-ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 8}
+# MAX_BLOCK rows). Its AVX512-BF16 way, the whole forward on a 2-core EPYC (one process, three interleaved rounds):
+# 18.8 against 24.1 ms at T=64 (8 rows), 23.0 against 27.3 at 128, 27.7 against 32.8 at 192, 35.0 against 39.0 at
+# 256 (32 rows); at 512 (64 rows) 60 against 57
+ROW_KERNEL_MEAN_ROWS = {True: None, False: 48}
+ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 64}
+# the same bound for the backward's products through the weights: its AVX512-BF16 way matched XLA's at 8 rows; a
+# qwen3-cpu training step on a 2-core EPYC at 16 and 32 rows (T = 128, 256) took 116-123 against 111 ms and 187-201
+# against 160 with it
+BACKWARD_ROW_KERNEL_MEAN_ROWS = {True: None, False: 8}
 # mean rows per expert up to which the backward's weight gradients come from moe_weight_grads (each expert's written
 # once in bfloat16, from the rows of all its blocks kept in the loop) rather than from XLA's dots per block summed
 # into float32 [N, H] and [H, I] and rounded into the gradients per expert. qwen3-cpu training step on a 2-core Xeon
@@ -69,13 +75,13 @@ ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 8}
 WEIGHT_GRADS_MEAN_ROWS = 16
 
 
-def uses_row_kernel(rows: int, experts: int, *operands) -> bool:
-    """Whether the forward's matmuls run on ``expert_rows`` (the weights read in place, padding rows skipped): with
-    bfloat16 operands where ``expert_rows.enabled()``, on AMX at any rows per expert, else at few
-    (ROW_KERNEL_MEAN_ROWS)."""
+def uses_row_kernel(rows: int, experts: int, *operands, backward: bool = False) -> bool:
+    """Whether the forward's matmuls (the backward's, with ``backward``) run on ``expert_rows`` (the weights read in
+    place, padding rows skipped): with bfloat16 operands where ``expert_rows.enabled()``, on AMX at any rows per
+    expert, else at few (ROW_KERNEL_MEAN_ROWS, BACKWARD_ROW_KERNEL_MEAN_ROWS)."""
     if not (all(a.dtype == jnp.bfloat16 for a in operands) and expert_rows.enabled()):
         return False
-    bound = ROW_KERNEL_MEAN_ROWS[expert_rows.amx()]
+    bound = (BACKWARD_ROW_KERNEL_MEAN_ROWS if backward else ROW_KERNEL_MEAN_ROWS)[expert_rows.amx()]
     return bound is None or _mean_rows(rows, experts) < bound
 
 
@@ -246,7 +252,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
     sizes = block_sizes(S, E, backward=True)
     hit, n_hit, starts, ends = hit_experts(group_sizes)
     biased = gate_up_bias is not None
-    row_kernel = uses_row_kernel(S, E, x, gate_up, down)
+    row_kernel = uses_row_kernel(S, E, x, gate_up, down, backward=True)
     fused = row_kernel and not biased and _mean_rows(S, E) <= WEIGHT_GRADS_MEAN_ROWS
 
     def expert(carry):

@@ -4,14 +4,8 @@
 //   float32 out [*, N] from row out_row[g]. Returns 0, or 1 where AMX was asked for and the kernel refused it.
 // - moe_combine_slots: the weighted combine of slot_rows.h, reading rows in expert order where they lie.
 // - moe_zero_bytes: zero_pages.h's zeros (a large range's whole pages released rather than written).
-// Each call's chunks are taken by the calling thread and by up to threads - 1 workers of this library's own pool
-// (started at the first call that asks for them, then waiting on a condition variable).
+// Each call's chunks are taken by an OpenMP team of `threads` threads, the calling thread among them.
 #include <algorithm>
-#include <condition_variable>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "expert_rows.h"
@@ -20,52 +14,19 @@
 
 namespace {
 
-class Pool {
- public:
-  // Job: chunks(), Run() (takes chunks until none is left), Wait() (until every chunk is done)
-  template <class Job>
-  void Run(const std::shared_ptr<Job>& job, int threads) {
-    if (threads > 1 && job->chunks() > 1) {
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        while (static_cast<int>(workers_.size()) < threads - 1) workers_.emplace_back([this] { Work(); });
-        work_ = [job] { job->Run(); };
-        wanted_ = threads - 1;
-        ++generation_;
-      }
-      wake_.notify_all();
-    }
-    job->Run();
-    job->Wait();
+// Job: chunks(), Run() (takes chunks until none is left), Wait() (until every chunk is done). The threads are
+// torch's own OpenMP team (this library links the libgomp that torch loaded): a pool of this library's own would
+// compete for the cores with torch's workers, which spin a while after each op (on a 2-core EPYC, a fifth of a
+// qwen3-cpu decode call went to libgomp's spinning).
+template <class Job>
+void RunOnThreads(Job& job, int threads) {
+  if (threads > 1 && job.chunks() > 1) {
+#pragma omp parallel num_threads(threads)
+    job.Run();
+  } else {
+    job.Run();
   }
-
- private:
-  void Work() {
-    uint64_t seen = 0;
-    for (;;) {
-      std::function<void()> work;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_ != seen && wanted_ > 0; });
-        seen = generation_;
-        --wanted_;
-        work = work_;
-      }
-      work();  // a worker that wakes late finds no chunk left
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::vector<std::thread> workers_;
-  std::function<void()> work_;
-  uint64_t generation_ = 0;
-  int wanted_ = 0;
-};
-
-Pool& ThePool() {
-  static Pool* pool = new Pool();  // never destroyed: its workers wait until the process ends
-  return *pool;
+  job.Wait();
 }
 
 }  // namespace
@@ -77,23 +38,23 @@ extern "C" int moe_grouped_rows(const uint16_t* x, int64_t x_stride, const uint1
   list.reserve(groups);
   for (int64_t g = 0; g < groups; ++g)
     list.push_back({x + x_row[g] * x_stride, w + expert[g] * N * K, out + out_row[g] * N, rows[g], x_stride});
-  auto job = std::make_shared<moe_rows::Job>();
-  if (!job->Prepare(std::move(list), {N, K}, amx != 0)) return 1;
-  ThePool().Run(job, threads);
+  moe_rows::Job job;
+  if (!job.Prepare(std::move(list), {N, K}, amx != 0)) return 1;
+  RunOnThreads(job, threads);
   return 0;
 }
 
 extern "C" void moe_combine_slots(const uint16_t* y, int64_t y_stride, const int64_t* order, const bool* empty,
                                   const uint16_t* weights, void* out, int out_float32, int64_t T, int64_t k, int64_t H,
                                   int threads) {
-  auto row = std::make_shared<std::vector<int64_t>>(T * k);
-  moe_rows::SlotRows(order, empty, T * k, row->data());
-  const moe_rows::CombineArgs args{y, y_stride, row->data(), weights, out, out_float32 != 0, T, k, H};
+  std::vector<int64_t> row(T * k);
+  moe_rows::SlotRows(order, empty, T * k, row.data());
+  const moe_rows::CombineArgs args{y, y_stride, row.data(), weights, out, out_float32 != 0, T, k, H};
   const int64_t per_chunk = moe_rows::RowsPerChunk(H * (out_float32 ? 4 : 2));
-  auto job = std::make_shared<moe_rows::ChunkJob>((T + per_chunk - 1) / per_chunk, [args, per_chunk, row](int64_t c) {
+  moe_rows::ChunkJob job((T + per_chunk - 1) / per_chunk, [&args, per_chunk](int64_t c) {
     moe_rows::CombineChunk(args, c * per_chunk, std::min(args.T, (c + 1) * per_chunk));
   });
-  ThePool().Run(job, threads);
+  RunOnThreads(job, threads);
 }
 
 extern "C" void moe_zero_bytes(void* data, int64_t bytes) { moe_rows::ZeroBytes(data, static_cast<size_t>(bytes)); }

@@ -31,9 +31,11 @@ PROFILER_NAME = "moe_torch::expert_rows"
 # mean rows per group under which a grouped matmul runs on the kernel (by amx()): qwen3-cpu gate/up on a 2-core Xeon
 # with AMX, per expert, with the float32 output's allocation, against torch.mm: 57 against 80 us at 1 row, 59 against
 # 85 at 16, 103 against 133 at 64, 172 against 184 at 128; grouped_mm's whole bfloat16 forward 26 against 30-33 ms
-# at T=512 (64 rows per expert), 57-59 against 54-56 at T=1024 (128); without AMX as for moe_jax (its AVX512 way
-# not measured against torch.mm)
-MEAN_ROWS = {True: 128, False: 8}
+# at T=512 (64 rows per expert), 57-59 against 54-56 at T=1024 (128). Without AMX, on a 2-core EPYC, gate/up and
+# down per expert against torch.mm: 123 against 174 us at 1 row, 225 against 256 at 16, 353 against 334 at 32;
+# grouped_mm's whole forward 14.8 against 16.9 ms at T=64 (8 rows), 16.9 against 17.8 at T=128, 26.3 against 21.3
+# at T=192 (24 rows)
+MEAN_ROWS = {True: 128, False: 20}
 _LIBRARY: dict[str, Callable[..., int | None]] = {}  # entry name: its ctypes function
 _INDEX = ctypes.POINTER(ctypes.c_int64)
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -47,7 +49,7 @@ _ENTRIES = {  # name: (result, arguments)
 @cache
 def unavailable() -> str | None:
     """Why the row kernel cannot run on this host (None: it is built and loaded)."""
-    library, reason = native.load(SOURCE, key="c-abi")
+    library, reason = native.load(SOURCE, key="c-abi", flags=("-fopenmp",))
     if library is not None:
         for name, (result, arguments) in _ENTRIES.items():
             entry = getattr(library, name)

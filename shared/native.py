@@ -87,12 +87,13 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MOE_EXPERTS_CACHE") or Path.home() / ".cache" / "moe_experts")
 
 
-def _build(compiler: str, source: Path, include_dirs: Sequence[str], key: str) -> Path:
+def _build(compiler: str, source: Path, include_dirs: Sequence[str], key: str, flags: Sequence[str]) -> Path:
     """The shared library, compiled once per source, header, flags, compiler and key (RuntimeError when it
-    fails)."""
+    fails); ``flags`` follow COMPILE_FLAGS."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     texts = [source.read_text(), *(header.read_text() for header in sorted(KERNEL_DIR.glob("*.h")))]
-    digest = hashlib.sha256("\0".join([*texts, *COMPILE_FLAGS, compiler, version, key]).encode()).hexdigest()[:16]
+    parts = [*texts, *COMPILE_FLAGS, *flags, compiler, version, key]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     library = _cache_dir() / f"{source.stem}-{digest}.so"
     if library.exists():
         return library
@@ -100,7 +101,7 @@ def _build(compiler: str, source: Path, include_dirs: Sequence[str], key: str) -
     includes = [arg for d in (str(KERNEL_DIR), *include_dirs) for arg in ("-I", d)]
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
-        run = subprocess.run([compiler, *COMPILE_FLAGS, *includes, str(source), "-o", str(built)],
+        run = subprocess.run([compiler, *COMPILE_FLAGS, *flags, *includes, str(source), "-o", str(built)],
                              capture_output=True, text=True, timeout=300)
         if run.returncode:
             raise RuntimeError(f"{compiler} failed on {source.name}: {run.stderr.strip()[-800:]}")
@@ -108,8 +109,10 @@ def _build(compiler: str, source: Path, include_dirs: Sequence[str], key: str) -
     return library
 
 
-def load(source: Path, include_dirs: Sequence[str] = (), key: str = "") -> tuple[ctypes.CDLL | None, str | None]:
-    """(the built binding, None), or (None, why the row kernel cannot run on this host)."""
+def load(source: Path, include_dirs: Sequence[str] = (), key: str = "",
+         flags: Sequence[str] = ()) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the built binding, None), or (None, why the row kernel cannot run on this host). ``flags``: the binding's
+    own compiler flags, after COMPILE_FLAGS."""
     missing = [flag for flag in CPU_FLAGS if flag not in cpu_flags()]
     if missing:
         return None, f"the CPU lacks {', '.join(missing)}"
@@ -117,7 +120,7 @@ def load(source: Path, include_dirs: Sequence[str] = (), key: str = "") -> tuple
     if not compiler:
         return None, "no C++ compiler found (set CXX)"
     try:
-        return ctypes.cdll.LoadLibrary(str(_build(compiler, source, include_dirs, key))), None
+        return ctypes.cdll.LoadLibrary(str(_build(compiler, source, include_dirs, key, flags))), None
     except (RuntimeError, OSError, subprocess.SubprocessError) as error:
         return None, str(error)
 

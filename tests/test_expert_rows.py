@@ -7,8 +7,10 @@ transposed mode, and the reasons it gives where it cannot run."""
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -141,11 +143,12 @@ def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
     """bfloat16 at few rows per expert: the forward's matmuls are the row kernel's custom calls (none in float32,
     none with MOE_JAX_ROW_KERNEL=off), and the forward and every gradient match the float64 reference, as they do
     with it off."""
-    arrays, dy = random_case(21, T=40, H=96, I=48, E=4, k=2, bias=True, empty_fraction=0.1)
+    # 6 rows per expert: under ROW_KERNEL_MEAN_ROWS with AMX and without
+    arrays, dy = random_case(21, T=12, H=96, I=48, E=4, k=2, bias=True, empty_fraction=0.1)
     kw = dict(activation="silu", gate_up_bias=arrays["gate_up_bias"], down_bias=arrays["down_bias"])
     args = [arrays[n] for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")]
     expected = reference.experts_backward(*args, dy, **kw) | {"out": reference.experts_forward(*args, **kw)}
-    assert expert_loop.uses_row_kernel(40 * 2, 4, *(jnp.zeros(1, jnp.bfloat16),) * 3)
+    assert expert_loop.uses_row_kernel(12 * 2, 4, *(jnp.zeros(1, jnp.bfloat16),) * 3)
 
     def run(dtype):
         values = {n: jnp.asarray(a, jnp.int32 if n == "top_k_index" else dtype) for n, a in arrays.items()}
@@ -438,6 +441,28 @@ def test_torch_row_kernel_matches_float64(way, threads, monkeypatch):
             want = x[xr:xr + r].double() @ table[e].double().T
             got = out[orow:orow + r].double()
             assert torch.linalg.norm(got - want) <= 1e-6 * torch.linalg.norm(want), (E, N, K, r)
+
+
+@needs_torch_kernel
+def test_torch_row_kernel_runs_on_torchs_openmp_team():
+    """The torch binding's threads are torch's OpenMP team: a call on two threads starts no thread of its own once
+    torch's team of two exists, and the process maps one OpenMP runtime (a second one's workers would compete with
+    torch's, which spin a while after each op)."""
+    gen = torch.Generator().manual_seed(5)
+    x, table = torch.randn(64, 256, generator=gen).bfloat16(), torch.randn(8, 512, 256, generator=gen).bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 22).add_(1)  # torch's team of two, started if it was not
+        before = len(os.listdir("/proc/self/task"))
+        out = torch_rows.grouped_rows(x, table, 64, [0, 32], [0, 32], [32, 32], [1, 6])
+        assert len(os.listdir("/proc/self/task")) == before
+    finally:
+        torch.set_num_threads(threads)
+    runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+    want = x[32:].double() @ table[6].double().T
+    assert torch.linalg.norm(out[32:].double() - want) <= 1e-6 * torch.linalg.norm(want)
 
 
 @pytest.mark.parametrize("way", list(WAYS))
