@@ -62,9 +62,9 @@ def _mean_rows(rows: int, experts: int) -> int:
 # 256 (32 rows); at 512 (64 rows) 60 against 57
 ROW_KERNEL_MEAN_ROWS = {True: None, False: 48}
 ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 64}
-# the same bound for the backward's products through the weights: its AVX512-BF16 way matched XLA's at 8 rows; a
-# qwen3-cpu training step on a 2-core EPYC at 16 and 32 rows (T = 128, 256) took 116-123 against 111 ms and 187-201
-# against 160 with it
+# the bound for the backward's products through the weights: its AVX512-BF16 way matched XLA's at 8 rows; with the
+# backward on it at 16 and 32 rows per expert (T = 128, 256), a qwen3-cpu training step on a 2-core EPYC took
+# 116-123 and 187-201 ms, against 111 and 160 on XLA's dots
 BACKWARD_ROW_KERNEL_MEAN_ROWS = {True: None, False: 8}
 # mean rows per expert up to which the backward's weight gradients come from moe_weight_grads (each expert's written
 # once in bfloat16, from the rows of all its blocks kept in the loop) rather than from XLA's dots per block summed

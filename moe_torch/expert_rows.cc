@@ -16,7 +16,7 @@ namespace {
 
 // Job: chunks(), Run() (takes chunks until none is left), Wait() (until every chunk is done). The threads are
 // torch's own OpenMP team (this library links the libgomp that torch loaded): a pool of this library's own would
-// compete for the cores with torch's workers, which spin a while after each op (on a 2-core EPYC, a fifth of a
+// compete for the cores with torch's workers, which spin a while after each op (on a 2-core EPYC, a quarter of a
 // qwen3-cpu decode call went to libgomp's spinning).
 template <class Job>
 void RunOnThreads(Job& job, int threads) {

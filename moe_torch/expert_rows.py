@@ -5,7 +5,7 @@ gate/up weights [768, 1024] on a 2-core Xeon with AMX, 79-85 us per expert at 1 
 this kernel (98 against 59 at 32 rows, 131-135 against 92 at 64). The kernel is ``moe_shared/kernels/expert_rows.h``
 (AMX tiles where the CPU has them, else AVX512-BF16 dot products), the same one moe_jax's expert loop runs;
 ``expert_rows.cc`` binds it as a C entry point (called through ctypes) that takes a whole list of groups per call
-and shares their work between the calling thread and its own workers (``torch.get_num_threads()`` threads in all).
+and shares their work on torch's own OpenMP team (``torch.get_num_threads()`` threads, the caller among them).
 It is built on first use (``moe_shared.native``).
 
 ``MOE_TORCH_ROW_KERNEL``: ``auto`` (default) uses it where the host has AVX512-BF16 and the build succeeds, else

@@ -1,5 +1,5 @@
 // The CPU row kernel, shared by both frameworks' bindings (moe_jax/expert_rows.cc, an XLA FFI handler on XLA's
-// intra-op pool; moe_torch/expert_rows.cc, a C entry point with its own worker threads).
+// intra-op pool; moe_torch/expert_rows.cc, a C entry point on torch's OpenMP team).
 //
 // One job is a list of groups sharing N and K: group g computes out_g[b, n] = sum_k x_g[b, k] * w_g[n, k] in
 // float32 for its `rows` rows b, with the expert's bfloat16 weights w_g [N, K] read where they lie (a slice of a
