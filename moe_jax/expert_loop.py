@@ -85,16 +85,6 @@ def uses_row_kernel(rows: int, experts: int, *operands, backward: bool = False) 
     return bound is None or _mean_rows(rows, experts) < bound
 
 
-def adds_on_row_kernel(rows: int, experts: int, x, gate_up, down, down_bias) -> bool:
-    """Whether the forward's down projection runs on ``expert_rows_add``: the kernel adds each block's rows, times
-    their routing weights, into the float32 token rows itself (no [B, H] float32 temporary, no XLA scatter;
-    qwen3-cpu forward on a 2-core Xeon with AMX: 41 against 52 ms at T=1024, 68 against 78 at 2048), without a down
-    bias where the forward runs on the row kernel (``uses_row_kernel``). Its AVX512-BF16 way lost to XLA's dot and
-    scatter from 64 rows per expert (2-core EPYC: 71 against 62 ms at T=512, 102 against 82 at 1024, 174 against
-    149 at 2048; 35.6 against 37.4 at T=256, 32 rows)."""
-    return down_bias is None and uses_row_kernel(rows, experts, x, gate_up, down)
-
-
 def block_sizes(rows: int, experts: int, *, backward: bool = False, row_kernel: bool = False) -> tuple[int, ...]:
     """Block sizes, ascending (capped at the rows rounded up to a power of two). With a few rows per expert
     (decode), matmuls are bound by reading the expert's weights: in the forward, at most two rows per expert on
@@ -210,7 +200,12 @@ def _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_b
     E, H, I = down.shape
     S = token.shape[0] - MAX_BLOCK
     row_kernel = uses_row_kernel(S, E, x, gate_up, down)
-    add_down = adds_on_row_kernel(S, E, x, gate_up, down, down_bias)
+    # without a down bias, the down projection adds its rows, times their routing weights, into the float32 token
+    # rows on the row kernel (expert_rows_add: no [B, H] float32 temporary, no XLA scatter; qwen3-cpu forward on a
+    # 2-core Xeon with AMX: 41 against 52 ms at T=1024, 68 against 78 at 2048). Only where the forward runs on the
+    # kernel: its AVX512-BF16 way lost to XLA's dot and scatter from 64 rows per expert (2-core EPYC: 71 against 62
+    # ms at T=512, 102 against 82 at 1024, 174 against 149 at 2048; 35.6 against 37.4 at T=256, 32 rows)
+    add_down = row_kernel and down_bias is None
     sizes = block_sizes(S, E, row_kernel=row_kernel)
     hit, n_hit, starts, ends = hit_experts(group_sizes)
 

@@ -14,7 +14,7 @@
 
 namespace {
 
-// Job: chunks(), Run() (takes chunks until none is left), Wait() (until every chunk is done). The threads are
+// Job: chunks(), Run() (takes chunks until none is left; the team's end waits for every thread's). The threads are
 // torch's own OpenMP team (this library links the libgomp that torch loaded): a pool of this library's own would
 // compete for the cores with torch's workers, which spin a while after each op (on a 2-core EPYC, a quarter of a
 // qwen3-cpu decode call went to libgomp's spinning).
@@ -26,7 +26,6 @@ void RunOnThreads(Job& job, int threads) {
   } else {
     job.Run();
   }
-  job.Wait();
 }
 
 }  // namespace

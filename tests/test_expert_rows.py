@@ -183,7 +183,7 @@ def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
 @needs_kernel
 def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, k, monkeypatch):
     """bfloat16 without a down bias, where the forward runs on the row kernel (with AMX at any rows per expert,
-    else under ROW_KERNEL_MEAN_ROWS, 48): the down projection is expert_rows_add's custom call, which adds the rows
+    else under ROW_KERNEL_MEAN_ROWS): the down projection is expert_rows_add's custom call, which adds the rows
     into the token rows; without AMX at 72 rows per expert, XLA's dots and scatter-add instead. The forward and
     every gradient match the float64 reference each way."""
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
@@ -208,7 +208,9 @@ def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, 
         call = jax.jit(forward_and_grads)
         diff, g = [values[n] for n in names], jnp.asarray(dy, jnp.bfloat16)
         calls = call.lower(diff, g).compile().as_text().count('custom_call_target="moe_expert_rows_add"')
-        assert (calls > 0) == (setting == "auto" and (way == "amx" or T * k // E < 48)), (setting, calls)
+        bound = expert_loop.ROW_KERNEL_MEAN_ROWS[way == "amx"]
+        adds = setting == "auto" and (bound is None or T * k // E < bound)
+        assert (calls > 0) == adds, (setting, calls)
         out, grads = call(diff, g)
         assert_close("out", np.asarray(out, np.float64), expected["out"], "bfloat16")
         for n, grad in grads.items():
