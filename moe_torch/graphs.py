@@ -11,8 +11,8 @@ same kernels run, so the output has the same bits as the plain call. Weights upd
 at each replay; a weight tensor replaced by another is a new signature, as are other settings of deterministic
 algorithms and reduced-precision matmuls (they pick kernels at capture).
 
-Memory: every graph of a device allocates from one pool, which keeps the largest call's working memory (batched_mm's
-gathered weights, hence its bound: 1024 MiB) plus each graph's buffers; at most MAX_GRAPHS graphs are kept (the
+Memory: every graph of a device allocates from one pool, which keeps the largest call's working memory (a few MiB of
+activations; batched_mm's gathered weights where it cannot read them in place) plus each graph's buffers; at most MAX_GRAPHS graphs are kept (the
 least recently used goes first); ``release()`` drops them all. ``MOE_TORCH_GRAPHS``: ``auto`` (default) as above,
 ``off`` never. Calls from several threads or on several streams at once should turn it off.
 """

@@ -1,10 +1,12 @@
-"""batched_mm: gather every slot's expert weights and run torch.bmm per projection.
+"""batched_mm: one batched matmul per projection, a batch entry per slot on its expert's weights.
 
-Fast for a handful of tokens (no sort, no host sync in the forward); the gathered weights are T*k copies of an
-expert's. On the CPU, uncompiled, nothing is gathered: each slot takes one matmul on its expert's weights in place
-(IN_PLACE_DEVICES; in bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``);
-compiled, the slots go through in chunks whose gathered weights stay in cache (a few MB each, never one huge
-buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one
+Fast for a handful of tokens (no sort, no host sync in the forward). On CUDA, uncompiled, nothing is gathered: one
+cuBLAS batched GEMM per projection whose batch entries point at each slot's expert weights where they lie
+(``moe_torch.slot_blas``, where its dtypes and alignment hold). On the CPU, uncompiled, nothing is gathered either:
+each slot takes one matmul on its expert's weights in place (IN_PLACE_DEVICES; in bfloat16 every slot's in one call
+of the CPU row kernel, ``moe_torch.expert_rows``). Compiled, and elsewhere, the weights are gathered (T*k copies of
+an expert's) and run through torch.bmm; on the CPU in chunks whose gathered weights stay in cache (a few MB each,
+never one huge buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one
 matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient; on CUDA one K-grouped
 ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted rows, on the CPU
 through the forward's way again (in place, or gathered in chunks when compiled). Training with a named activation
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import expert_rows
+from .. import expert_rows, slot_blas
 from ..base import (Slots, add_bias, as_dtype, combine, combine_grads, expert_ends, gate, gate_grad,
                     gate_with_activation, masked_weights, sort_keys, sum_over_k, takes_grad, unsort_rows)
 from .grouped_mm import grouped_linear, grouped_weight_grad
@@ -54,6 +56,9 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
         for s, e in enumerate(ids.tolist()):
             torch.mm(x[s:s + 1], table[e] if transpose else table[e].T, out=out[s:s + 1])
         return out
+    matrices = table.transpose(1, 2) if transpose else table
+    if slot_blas.applies(x, matrices):
+        return slot_blas.products(x, matrices, ids)
     chunks = _chunks(x.shape[0], table)
     if chunks is None:  # one gather, one bmm, no slicing: the fewest ops per call (decode is host-bound)
         return (torch.bmm(x.unsqueeze(1), table[ids]).squeeze(1) if transpose
@@ -152,6 +157,8 @@ def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: 
     products the differentiated path computes)."""
     if _in_place(table) and expert_rows.applies(x, table):
         return _rows_on_kernel(x, table, ids, slots_per_row=k)
+    if slot_blas.applies(x, table):  # each slot's row read from x: the products of the per-slot path, no copy of x
+        return slot_blas.products(x, table, ids, rows_per_x=k)
     if not per_slot and not _in_place(table) and _chunks(T * k, table) is None:
         N, K = table.shape[1:]
         return torch.bmm(table[ids].reshape(T, k * N, K), x.unsqueeze(2)).view(T * k, N)

@@ -1,0 +1,132 @@
+"""Per-slot products on CUDA without gathered weights: one cuBLAS batched GEMM whose batch entries point at each
+slot's expert weights where they lie.
+
+``batched_mm``'s plain way copies T*k experts' weights (``table[ids]``) and runs ``torch.bmm`` on the copy: from a
+few slots on, that copy is most of the call (on the H100, qwen3-30b-a3b at T=4: 0.19 of 0.34 ms). cuBLAS's
+``cublasGemmBatchedEx`` takes arrays of pointers instead of strides, so each batch entry can read its expert's
+matrix in place: out[s] = table[ids[s]] @ x[s // rows_per_x], as an [N, 1] product per slot. The pointer arrays are
+made on the device by a few integer ops on the routing ids (no host sync; a CUDA graph captures them), and the call
+runs on torch's cuBLAS handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each
+matrix row- or column-contiguous, every address a multiple of 16 bytes, outside torch.compile (which cannot trace a
+ctypes call; there the gathered way is what inductor fuses). float32 runs in TF32 exactly where
+``torch.backends.cuda.matmul.allow_tf32`` lets torch's own matmuls do so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+DEVICES = ("cuda",)
+ALIGNMENT = 16  # bytes: every matrix and vector address cuBLAS is given, so its tensor-core paths apply
+_CUDA_TYPE = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
+_COMPUTE_32F, _COMPUTE_32F_PEDANTIC, _COMPUTE_32F_FAST_TF32 = 68, 69, 77  # cublasComputeType_t
+_OP_N, _OP_T = 0, 1
+_GEMM_DEFAULT = -1
+_P, _INT = ctypes.c_void_p, ctypes.c_int
+_GEMM_BATCHED_ARGS = [_P, _INT, _INT, _INT, _INT, _INT, _P, _P, _INT, _INT, _P, _INT, _INT, _P, _P, _INT, _INT,
+                      _INT, _INT, _INT]
+
+
+def _loaded_cublas() -> str | None:
+    """The path of the libcublas torch has loaded in this process, if any."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    for line in maps.read_text().splitlines():
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        if Path(path).name.startswith("libcublas.so"):
+            return path
+    return None
+
+
+@cache
+def _gemm_batched():
+    """cublasGemmBatchedEx of the libcublas torch uses (loaded by torch's first cuBLAS call)."""
+    path = _loaded_cublas()
+    if path is None:
+        torch.cuda.current_blas_handle()
+        path = _loaded_cublas()
+    if path is None:
+        raise RuntimeError("moe_torch.slot_blas: no libcublas is loaded in this process after torch's cuBLAS "
+                           "handle was made; the per-slot products need the one torch uses")
+    entry = ctypes.CDLL(path).cublasGemmBatchedEx
+    entry.restype, entry.argtypes = _INT, _GEMM_BATCHED_ARGS
+    return entry
+
+
+def _blas_handle() -> int:
+    """torch's cuBLAS handle of the current device, set to the current stream (and torch's workspace)."""
+    return torch.cuda.current_blas_handle()
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % ALIGNMENT == 0 and all(s * size % ALIGNMENT == 0 for s in strides)
+
+
+def applies(x: torch.Tensor, table: torch.Tensor) -> bool:
+    """Whether ``x`` [S', K] times ``table`` [E, N, K] runs here: CUDA, one of the three float dtypes on both, x's
+    rows contiguous, each expert's matrix row- or column-contiguous, every address 16-byte aligned, not under
+    torch.compile."""
+    if not (x.device.type in DEVICES and x.dtype in _CUDA_TYPE and table.dtype == x.dtype and x.dim() == 2 and table.dim() == 3
+            and x.stride(1) == 1 and not torch.compiler.is_compiling()):
+        return False
+    if table.stride(2) != 1 and table.stride(1) != 1:
+        return False
+    return _aligned(x, x.stride(0)) and _aligned(table, table.stride(0), gemm_arguments(table)[3])
+
+
+def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """[3, S] int64 on the device: each slot's matrix (``table[ids[s]]``), vector (``x[s // rows_per_x]``) and
+    output row (``out[s]``) address, in bytes."""
+    size = x.element_size()
+    slot = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
+    matrices = ids.to(torch.int64) * (table.stride(0) * size) + table.data_ptr()
+    vectors = torch.div(slot, rows_per_x, rounding_mode="floor") * (x.stride(0) * size) + x.data_ptr()
+    outputs = slot * (out.stride(0) * size) + out.data_ptr()
+    return torch.stack((matrices, vectors, outputs))
+
+
+def _compute_type(dtype: torch.dtype) -> int:
+    if dtype != torch.float32:
+        return _COMPUTE_32F
+    return _COMPUTE_32F_FAST_TF32 if torch.backends.cuda.matmul.allow_tf32 else _COMPUTE_32F_PEDANTIC
+
+
+def gemm_arguments(table: torch.Tensor) -> tuple[int, int, int, int]:
+    """(transa, m, k, lda) of cuBLAS's column-major ``C = op(A) B`` that makes each slot's [N] = W [N, K] @ x [K]: a
+    row-contiguous W is the column-major [K, N] matrix transposed, a column-contiguous one the [N, K] matrix."""
+    _, N, K = table.shape
+    if table.stride(2) == 1:
+        return _OP_T, N, K, max(table.stride(1), K, 1)
+    return _OP_N, N, K, max(table.stride(2), N, 1)
+
+
+def products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1) -> torch.Tensor:
+    """out[s] = table[ids[s]] @ x[s // rows_per_x] for every slot s ([S', K], [E, N, K], [S] -> [S, N], x's dtype),
+    each slot's weights read in place by one cuBLAS batched GEMM (see ``applies``)."""
+    slots = ids.shape[0]
+    out = x.new_empty(slots, table.shape[1])
+    if slots == 0 or table.shape[1] == 0:
+        return out
+    if table.shape[2] == 0:
+        return out.zero_()
+    pointers = slot_pointers(x, table, ids, rows_per_x, out)
+    transa, m, k, lda = gemm_arguments(table)
+    cuda_type = _CUDA_TYPE[x.dtype]
+    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        status = _gemm_batched()(_blas_handle(), transa, _OP_N, m, 1, k, ctypes.byref(alpha),
+                                 pointers[0].data_ptr(), cuda_type, lda, pointers[1].data_ptr(), cuda_type, k,
+                                 ctypes.byref(beta), pointers[2].data_ptr(), cuda_type, m, slots,
+                                 _compute_type(x.dtype), _GEMM_DEFAULT)
+    if status != 0:
+        raise RuntimeError(f"moe_torch.slot_blas: cublasGemmBatchedEx returned status {status} (m={m}, k={k}, "
+                           f"lda={lda}, batch={slots}, dtype={x.dtype})")
+    return out

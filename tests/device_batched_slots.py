@@ -1,0 +1,168 @@
+"""batched_mm's per-slot products on CUDA (moe_torch.slot_blas) on the GPU (not collected by pytest):
+
+    PYTHONPATH=. python tests/device_batched_slots.py --out DIR
+
+- correctness: ``slot_blas.products`` against float64 per slot (float32, bfloat16, float16; row- and
+  column-contiguous weights; one and four slots per row of x) within the tolerance table, and against the gathered
+  way (``table[ids]`` and torch.bmm) on the qwen3-30b-a3b shape; two calls give the same bits;
+- time (CUDA events around one call, median; device_decode_profile's timer), qwen3-30b-a3b, bf16, T = 1..256: the
+  gate/up products on cublasGemmBatchedEx, on cublasTSTgemvBatched (the same pointer arrays) and gathered;
+  batched_mm's whole forward with the slot products and gathered (no decode graphs), with its decode graph, and
+  transformers' batched_mm; forward+backward with the slot products and gathered.
+Writes DIR/batched-slots.json; prints each check and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import device_decode_profile  # the script beside this one (sys.path[0])
+import moe_torch
+from bench.peers import transformers_peer
+from moe_shared import load_spec, relative_l2
+from moe_torch import slot_blas
+
+E, H, I, K = device_decode_profile.E, device_decode_profile.H, device_decode_profile.I, device_decode_profile.K
+TOLERANCE = load_spec().tolerance
+
+
+def gathered(x, table, ids, rows_per_x=1):
+    rows = torch.div(torch.arange(ids.shape[0], device=x.device), rows_per_x, rounding_mode="floor")
+    return torch.bmm(table[ids], x[rows].unsqueeze(2)).squeeze(2)
+
+
+def gemv_batched(x, table, ids, rows_per_x=1):
+    """The same products on cublasTSTgemvBatched (bfloat16 in and out, float32 compute), row-contiguous weights."""
+    entry = ctypes.CDLL(slot_blas._loaded_cublas()).cublasTSTgemvBatched
+    out = x.new_empty(ids.shape[0], table.shape[1])
+    pointers = slot_blas.slot_pointers(x, table, ids, rows_per_x, out)
+    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    P, INT = ctypes.c_void_p, ctypes.c_int
+    entry.restype, entry.argtypes = INT, [P, INT, INT, INT, P, P, INT, P, INT, P, P, INT, INT]
+    status = entry(torch.cuda.current_blas_handle(), 1, table.shape[2], table.shape[1], ctypes.byref(alpha),
+                   pointers[0].data_ptr(), table.stride(1), pointers[1].data_ptr(), 1, ctypes.byref(beta),
+                   pointers[2].data_ptr(), 1, ids.shape[0])
+    if status:
+        raise RuntimeError(f"cublasTSTgemvBatched: status {status}")
+    return out
+
+
+class Gathered:
+    """batched_mm with its CUDA slot products off (the gathered way)."""
+
+    def __enter__(self):
+        self.devices, slot_blas.DEVICES = slot_blas.DEVICES, ()
+
+    def __exit__(self, *exc):
+        slot_blas.DEVICES = self.devices
+
+
+def graphs(setting):
+    class Setting:
+        def __enter__(self):
+            os.environ[moe_torch.graphs.VARIABLE] = setting
+
+        def __exit__(self, *exc):
+            os.environ[moe_torch.graphs.VARIABLE] = "auto"
+    return Setting()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    checks, timings = [], {}
+
+    def check(name, ok, **detail):
+        checks.append({"name": name, "ok": bool(ok), **detail})
+        print(("PASS " if ok else "FAIL ") + name, detail or "", flush=True)
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        for layout in ("rows", "columns"):
+            for rows_per_x in (1, 4):
+                table = torch.randn(8, 64, 96, device=device, generator=g).to(dtype)
+                if layout == "columns":
+                    table = torch.randn(8, 96, 64, device=device, generator=g).to(dtype).transpose(1, 2)
+                x = torch.randn(40 // rows_per_x, 96, device=device, generator=g).to(dtype)
+                ids = torch.randint(0, 8, (40,), device=device, generator=g)
+                applies = slot_blas.applies(x, table)
+                out = slot_blas.products(x, table, ids, rows_per_x)
+                want = torch.stack([table[e].double() @ x[s // rows_per_x].double()
+                                    for s, e in enumerate(ids.tolist())])
+                err = relative_l2(out.double().cpu().numpy(), want.cpu().numpy())
+                again = slot_blas.products(x, table, ids, rows_per_x)
+                check(f"{name} {layout} rows_per_x={rows_per_x}: float64 within tolerance, same bits again",
+                      applies and err <= TOLERANCE[name] and torch.equal(out, again), rel_l2=err)
+
+    gate_up, down = device_decode_profile.qwen3_weights(device)
+    theirs = transformers_peer("batched_mm")(E, H, I)
+    for T in (1, 4, 8, 16, 64, 256):
+        x = torch.randn(T, H, device=device, generator=g).bfloat16()
+        w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device, generator=g), -1), K, -1)
+        w = w.bfloat16()
+        ids = idx.reshape(-1)
+        ours = slot_blas.products(x, gate_up, ids, K)
+        err = relative_l2(ours.float().cpu().numpy(), gathered(x, gate_up, ids, K).float().cpu().numpy())
+        tst = gemv_batched(x, gate_up, ids, K)
+        err_tst = relative_l2(tst.float().cpu().numpy(), gathered(x, gate_up, ids, K).float().cpu().numpy())
+        check(f"T={T}: gate/up slot products against gathered bmm", err <= TOLERANCE["bfloat16"], rel_l2=err,
+              gemv_rel_l2=err_tst)
+
+        def forward():
+            return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="batched_mm")
+        with torch.no_grad(), graphs("off"):
+            slots_out = forward()
+            with Gathered():
+                gathered_out = forward()
+        err = relative_l2(slots_out.float().cpu().numpy(), gathered_out.float().cpu().numpy())
+        check(f"T={T}: batched_mm forward, slot products against gathered", err <= TOLERANCE["bfloat16"], rel_l2=err)
+
+        row = {}
+        with torch.no_grad():
+            row["gate_up slots (GemmBatchedEx)"] = device_decode_profile.timed(
+                lambda: slot_blas.products(x, gate_up, ids, K))[:2]
+            row["gate_up slots (TSTgemvBatched)"] = device_decode_profile.timed(
+                lambda: gemv_batched(x, gate_up, ids, K))[:2]
+            row["gate_up gathered"] = device_decode_profile.timed(lambda: gathered(x, gate_up, ids, K))[:2]
+            with graphs("off"):
+                row["forward slots"] = device_decode_profile.timed(forward)[:2]
+                with Gathered():
+                    row["forward gathered"] = device_decode_profile.timed(forward)[:2]
+            row["forward slots, decode graph"] = device_decode_profile.timed(forward)[:2]
+            row["transformers batched_mm"] = device_decode_profile.timed(lambda: theirs(x, idx, w, gate_up, down))[:2]
+        leaves = [t.detach().requires_grad_() for t in (x, w, gate_up, down)]
+
+        def step():
+            out = moe_torch.experts_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3],
+                                            implementation="batched_mm")
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+        row["fwd+bwd slots"] = device_decode_profile.timed(step, rounds=3, calls=10)[:2]
+        with Gathered():
+            row["fwd+bwd gathered"] = device_decode_profile.timed(step, rounds=3, calls=10)[:2]
+        timings[f"T={T}"] = row
+        print(f"T={T}: " + ", ".join(f"{k} {v[0]:.3f}" for k, v in row.items()), flush=True)
+        moe_torch.graphs.release()
+
+    result = {
+        "meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": "PYTHONPATH=. python "
+                 "tests/device_batched_slots.py --out DIR", "units": "ms: [device (CUDA events), host]"},
+        "summary": {"passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks)},
+        "checks": checks, "timings_ms_device_host": timings}
+    (args.out / "batched-slots.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"]))
+
+
+if __name__ == "__main__":
+    main()
