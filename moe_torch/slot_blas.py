@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections import OrderedDict
 from functools import cache
 from pathlib import Path
 
 import torch
 
 DEVICES = ("cuda",)
+# batch entries a call aims for, slots times row chunks, and the fewest rows a chunk has (see chunk_rows)
+ENTRIES_WANTED = 256
+MIN_CHUNK_ROWS = 64
 ALIGNMENT = 16  # bytes: every matrix and vector address cuBLAS is given, so its tensor-core paths apply
 _CUDA_TYPE = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
 _COMPUTE_32F, _COMPUTE_32F_PEDANTIC, _COMPUTE_32F_FAST_TF32 = 68, 69, 77  # cublasComputeType_t
 _OP_N, _OP_T = 0, 1
 _GEMM_DEFAULT = -1
 _P, _INT = ctypes.c_void_p, ctypes.c_int
+_ONE, _ZERO = ctypes.byref(ctypes.c_float(1.0)), ctypes.byref(ctypes.c_float(0.0))  # alpha, beta (host pointers)
 _GEMM_BATCHED_ARGS = [_P, _INT, _INT, _INT, _INT, _INT, _P, _P, _INT, _INT, _P, _INT, _INT, _P, _P, _INT, _INT,
                       _INT, _INT, _INT]
 
@@ -81,16 +86,68 @@ def applies(x: torch.Tensor, table: torch.Tensor) -> bool:
     return _aligned(x, x.stride(0)) and _aligned(table, table.stride(0), gemm_arguments(table)[3])
 
 
-def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
-                  out: torch.Tensor) -> torch.Tensor:
-    """[3, S] int64 on the device: each slot's matrix (``table[ids[s]]``), vector (``x[s // rows_per_x]``) and
-    output row (``out[s]``) address, in bytes."""
-    size = x.element_size()
-    slot = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
-    matrices = ids.to(torch.int64) * (table.stride(0) * size) + table.data_ptr()
-    vectors = torch.div(slot, rows_per_x, rounding_mode="floor") * (x.stride(0) * size) + x.data_ptr()
-    outputs = slot * (out.stride(0) * size) + out.data_ptr()
-    return torch.stack((matrices, vectors, outputs))
+def chunk_rows(slots: int, table: torch.Tensor) -> int:
+    """Rows of a slot's output that one batch entry computes: N, halved while slots * chunks stays under
+    ENTRIES_WANTED and a half is a whole number of rows, at least MIN_CHUNK_ROWS, whose addresses stay aligned (a
+    few slots then still spread over the GPU's multiprocessors)."""
+    rows, size = table.shape[1], table.element_size()
+    while slots * (table.shape[1] // rows) < ENTRIES_WANTED:
+        half = rows // 2
+        if rows % 2 or half < MIN_CHUNK_ROWS or (half * size) % ALIGNMENT or (half * table.stride(1) * size) % ALIGNMENT:
+            break
+        rows = half
+    return rows
+
+
+def _offsets(slots: int, rows_per_x: int, chunks: int, matrix_chunk_bytes: int, out_chunk_bytes: int,
+             x_row_bytes: int, out_row_bytes: int, device: torch.device) -> torch.Tensor:
+    """[3, slots * chunks] int64: per batch entry (slot s, chunk c) the byte offsets that do not depend on the call's
+    routing or addresses: c's rows in the expert's matrix, x's row s // rows_per_x, out's row s and c's rows in it."""
+    entry = torch.arange(slots * chunks, device=device, dtype=torch.int64)
+    slot, chunk = torch.div(entry, chunks, rounding_mode="floor"), entry.remainder(chunks)
+    return torch.stack((chunk * matrix_chunk_bytes, torch.div(slot, rows_per_x, rounding_mode="floor") * x_row_bytes,
+                        slot * out_row_bytes + chunk * out_chunk_bytes))
+
+
+_OFFSETS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+MAX_OFFSETS = 64  # offset tables kept (per signature and stream; a few KB each at decode)
+
+
+def _cached_offsets(*key) -> torch.Tensor:
+    """_offsets(*key), kept per stream for later calls. Inside a CUDA graph capture they are made afresh (the
+    graph's own memory, alive as long as the graph); a kept table is only ever used on the stream it was made on, so
+    freeing it when it is dropped is stream-ordered."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return _offsets(*key)
+    device = key[-1]
+    full = key + ((torch.cuda.current_stream(device).cuda_stream,) if device.type == "cuda" else ())
+    table = _OFFSETS.get(full)
+    if table is None:
+        table = _OFFSETS[full] = _offsets(*key)
+        if len(_OFFSETS) > MAX_OFFSETS:
+            _OFFSETS.popitem(last=False)
+    else:
+        _OFFSETS.move_to_end(full)
+    return table
+
+
+def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, out: torch.Tensor,
+                  rows: int | None = None) -> torch.Tensor:
+    """[3, S * chunks] int64 on the device: per batch entry (slot s, chunk c of ``rows`` rows; one chunk of N rows by
+    default) the address in bytes of its rows of ``table[ids[s]]``, of ``x[s // rows_per_x]`` and of its rows of
+    ``out[s]``. Three small ops per call; the rest is kept per signature (``_cached_offsets``)."""
+    slots, size = ids.shape[0], x.element_size()
+    rows = table.shape[1] if rows is None else rows
+    chunks = table.shape[1] // rows
+    offsets = _cached_offsets(slots, rows_per_x, chunks, rows * table.stride(1) * size, rows * size,
+                              x.stride(0) * size, out.stride(0) * size, x.device)
+    pointers = torch.empty_like(offsets)
+    torch.add(offsets[0].view(slots, chunks), ids.view(slots, 1), alpha=table.stride(0) * size,
+              out=pointers[0].view(slots, chunks))
+    pointers[0].add_(table.data_ptr())
+    torch.add(offsets[1], x.data_ptr(), out=pointers[1])
+    torch.add(offsets[2], out.data_ptr(), out=pointers[2])
+    return pointers
 
 
 def _compute_type(dtype: torch.dtype) -> int:
@@ -108,25 +165,33 @@ def gemm_arguments(table: torch.Tensor) -> tuple[int, int, int, int]:
     return _OP_N, N, K, max(table.stride(2), N, 1)
 
 
-def products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1) -> torch.Tensor:
+def products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1,
+             rows: int | None = None) -> torch.Tensor:
     """out[s] = table[ids[s]] @ x[s // rows_per_x] for every slot s ([S', K], [E, N, K], [S] -> [S, N], x's dtype),
-    each slot's weights read in place by one cuBLAS batched GEMM (see ``applies``)."""
+    each slot's weights read in place by one cuBLAS batched GEMM (see ``applies``), a batch entry per ``rows`` rows
+    of a slot's output (``chunk_rows`` by default)."""
     slots = ids.shape[0]
     out = x.new_empty(slots, table.shape[1])
     if slots == 0 or table.shape[1] == 0:
         return out
     if table.shape[2] == 0:
         return out.zero_()
-    pointers = slot_pointers(x, table, ids, rows_per_x, out)
-    transa, m, k, lda = gemm_arguments(table)
-    cuda_type = _CUDA_TYPE[x.dtype]
-    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        status = _gemm_batched()(_blas_handle(), transa, _OP_N, m, 1, k, ctypes.byref(alpha),
-                                 pointers[0].data_ptr(), cuda_type, lda, pointers[1].data_ptr(), cuda_type, k,
-                                 ctypes.byref(beta), pointers[2].data_ptr(), cuda_type, m, slots,
-                                 _compute_type(x.dtype), _GEMM_DEFAULT)
+    rows = chunk_rows(slots, table) if rows is None else rows
+    pointers = slot_pointers(x, table, ids, rows_per_x, out, rows)
+    transa, _, k, lda = gemm_arguments(table)
+    cuda_type, batch = _CUDA_TYPE[x.dtype], pointers.shape[1]
+    with _on(x.device):
+        status = _gemm_batched()(_blas_handle(), transa, _OP_N, rows, 1, k, _ONE, pointers[0].data_ptr(), cuda_type,
+                                 lda, pointers[1].data_ptr(), cuda_type, k, _ZERO, pointers[2].data_ptr(), cuda_type,
+                                 rows, batch, _compute_type(x.dtype), _GEMM_DEFAULT)
     if status != 0:
-        raise RuntimeError(f"moe_torch.slot_blas: cublasGemmBatchedEx returned status {status} (m={m}, k={k}, "
-                           f"lda={lda}, batch={slots}, dtype={x.dtype})")
+        raise RuntimeError(f"moe_torch.slot_blas: cublasGemmBatchedEx returned status {status} (m={rows}, k={k}, "
+                           f"lda={lda}, batch={batch}, dtype={x.dtype})")
     return out
+
+
+def _on(device: torch.device):
+    """The device's context where it is not the current one already (entering one costs host time at decode)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

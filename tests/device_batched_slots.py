@@ -5,9 +5,10 @@
 - correctness: ``slot_blas.products`` against float64 per slot (float32, bfloat16, float16; row- and
   column-contiguous weights; one and four slots per row of x) within the tolerance table, and against the gathered
   way (``table[ids]`` and torch.bmm) on the qwen3-30b-a3b shape; two calls give the same bits;
-- time (CUDA events around one call, median; device_decode_profile's timer), qwen3-30b-a3b, bf16, T = 1..256: the
-  gate/up products on cublasGemmBatchedEx, on cublasTSTgemvBatched (the same pointer arrays) and gathered;
-  batched_mm's whole forward with the slot products and gathered (no decode graphs), with its decode graph, and
+- time, qwen3-30b-a3b, bf16, T = 1..256: each projection's products alone in a CUDA graph (device time only) with a
+  batch entry per slot's whole output and per chunk of it (``rows``), and gathered; the host time of the products
+  and of their pointer arrays alone; batched_mm's whole forward (device_decode_profile's timer: CUDA events around
+  one call, host time) with the slot products and gathered (no decode graphs), with its decode graph, and
   transformers' batched_mm; forward+backward with the slot products and gathered.
 Writes DIR/batched-slots.json; prints each check and a table.
 """
@@ -15,7 +16,6 @@ Writes DIR/batched-slots.json; prints each check and a table.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import time
@@ -38,20 +38,24 @@ def gathered(x, table, ids, rows_per_x=1):
     return torch.bmm(table[ids], x[rows].unsqueeze(2)).squeeze(2)
 
 
-def gemv_batched(x, table, ids, rows_per_x=1):
-    """The same products on cublasTSTgemvBatched (bfloat16 in and out, float32 compute), row-contiguous weights."""
-    entry = ctypes.CDLL(slot_blas._loaded_cublas()).cublasTSTgemvBatched
-    out = x.new_empty(ids.shape[0], table.shape[1])
-    pointers = slot_blas.slot_pointers(x, table, ids, rows_per_x, out)
-    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    P, INT = ctypes.c_void_p, ctypes.c_int
-    entry.restype, entry.argtypes = INT, [P, INT, INT, INT, P, P, INT, P, INT, P, P, INT, INT]
-    status = entry(torch.cuda.current_blas_handle(), 1, table.shape[2], table.shape[1], ctypes.byref(alpha),
-                   pointers[0].data_ptr(), table.stride(1), pointers[1].data_ptr(), 1, ctypes.byref(beta),
-                   pointers[2].data_ptr(), 1, ids.shape[0])
-    if status:
-        raise RuntimeError(f"cublasTSTgemvBatched: status {status}")
-    return out
+def graph_ms(call, calls: int = 20) -> float:
+    """Device ms per call: ``calls`` calls captured in one CUDA graph, the replay timed by CUDA events (median of
+    10), so no host time is in it."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 class Gathered:
@@ -114,10 +118,8 @@ def main() -> None:
         ids = idx.reshape(-1)
         ours = slot_blas.products(x, gate_up, ids, K)
         err = relative_l2(ours.float().cpu().numpy(), gathered(x, gate_up, ids, K).float().cpu().numpy())
-        tst = gemv_batched(x, gate_up, ids, K)
-        err_tst = relative_l2(tst.float().cpu().numpy(), gathered(x, gate_up, ids, K).float().cpu().numpy())
         check(f"T={T}: gate/up slot products against gathered bmm", err <= TOLERANCE["bfloat16"], rel_l2=err,
-              gemv_rel_l2=err_tst)
+              rows=slot_blas.chunk_rows(ids.shape[0], gate_up))
 
         def forward():
             return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="batched_mm")
@@ -129,35 +131,45 @@ def main() -> None:
         check(f"T={T}: batched_mm forward, slot products against gathered", err <= TOLERANCE["bfloat16"], rel_l2=err)
 
         row = {}
+        a = torch.randn(T * K, I, device=device, generator=g).bfloat16()
         with torch.no_grad():
-            row["gate_up slots (GemmBatchedEx)"] = device_decode_profile.timed(
-                lambda: slot_blas.products(x, gate_up, ids, K))[:2]
-            row["gate_up slots (TSTgemvBatched)"] = device_decode_profile.timed(
-                lambda: gemv_batched(x, gate_up, ids, K))[:2]
-            row["gate_up gathered"] = device_decode_profile.timed(lambda: gathered(x, gate_up, ids, K))[:2]
+            for name, table, rows_x, vectors in (("gate_up", gate_up, K, x), ("down", down, 1, a)):
+                for rows in sorted({table.shape[1] >> s for s in range(6)} | {slot_blas.chunk_rows(T * K, table)},
+                                   reverse=True):
+                    row[f"{name} rows={rows} device"] = graph_ms(
+                        lambda: slot_blas.products(vectors, table, ids, rows_x, rows=rows))
+                if T <= 64:  # a graph of gathers keeps every call's copy: 20 x 19 GB at T=256
+                    row[f"{name} gathered device"] = graph_ms(lambda: gathered(vectors, table, ids, rows_x))
+            call = device_decode_profile.timed(lambda: slot_blas.products(x, gate_up, ids, K))
+            row["gate_up products: launch host, whole host"] = [call[2], call[1]]
+            out = torch.empty(T * K, 2 * I, device=device, dtype=torch.bfloat16)
+            row["gate_up pointers: launch host"] = device_decode_profile.timed(
+                lambda: slot_blas.slot_pointers(x, gate_up, ids, K, out, 96))[2]
             with graphs("off"):
-                row["forward slots"] = device_decode_profile.timed(forward)[:2]
+                row["forward slots"] = device_decode_profile.timed(forward)
                 with Gathered():
-                    row["forward gathered"] = device_decode_profile.timed(forward)[:2]
-            row["forward slots, decode graph"] = device_decode_profile.timed(forward)[:2]
-            row["transformers batched_mm"] = device_decode_profile.timed(lambda: theirs(x, idx, w, gate_up, down))[:2]
+                    row["forward gathered"] = device_decode_profile.timed(forward)
+            row["forward slots, decode graph"] = device_decode_profile.timed(forward)
+            row["transformers batched_mm"] = device_decode_profile.timed(lambda: theirs(x, idx, w, gate_up, down))
         leaves = [t.detach().requires_grad_() for t in (x, w, gate_up, down)]
 
         def step():
             out = moe_torch.experts_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3],
                                             implementation="batched_mm")
             torch.autograd.grad(out, leaves, torch.ones_like(out))
-        row["fwd+bwd slots"] = device_decode_profile.timed(step, rounds=3, calls=10)[:2]
+        row["fwd+bwd slots"] = device_decode_profile.timed(step, rounds=3, calls=10)
         with Gathered():
-            row["fwd+bwd gathered"] = device_decode_profile.timed(step, rounds=3, calls=10)[:2]
+            row["fwd+bwd gathered"] = device_decode_profile.timed(step, rounds=3, calls=10)
         timings[f"T={T}"] = row
-        print(f"T={T}: " + ", ".join(f"{k} {v[0]:.3f}" for k, v in row.items()), flush=True)
+        print(f"T={T}: " + ", ".join(f"{k} " + (f"{v:.3f}" if isinstance(v, float) else
+                                                  "/".join(f"{u:.3f}" for u in v)) for k, v in row.items()), flush=True)
         moe_torch.graphs.release()
 
     result = {
         "meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                  "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": "PYTHONPATH=. python "
-                 "tests/device_batched_slots.py --out DIR", "units": "ms: [device (CUDA events), host]"},
+                 "tests/device_batched_slots.py --out DIR", "units": "ms; '... device': per call in a CUDA graph of 20; "
+                 "triples: [CUDA events around one call, host up to its result, host until the call returned]"},
         "summary": {"passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks)},
         "checks": checks, "timings_ms_device_host": timings}
     (args.out / "batched-slots.json").write_text(json.dumps(result, indent=1))

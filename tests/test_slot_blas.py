@@ -87,6 +87,32 @@ def test_products_read_each_slots_expert_in_place(fake, dtype, layout, rows_per_
     assert call["transa"] == (1 if layout == "rows" else 0)
 
 
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+@pytest.mark.parametrize("rows", [8, 12])
+def test_products_in_row_chunks(fake, layout, rows):
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(5, 24, 40, generator=g)
+    if layout == "columns":
+        table = torch.randn(5, 40, 24, generator=g).transpose(1, 2)
+    x, ids = torch.randn(3, 40, generator=g), torch.tensor([4, 0, 0, 2, 1, 4])
+    out = slot_blas.products(x, table, ids, 2, rows=rows)
+    expected = torch.stack([table[e].double() @ x[s // 2].double() for s, e in enumerate(ids.tolist())])
+    assert_close("out", out.double().numpy(), expected.numpy(), "float32")
+    (call,) = fake.calls
+    assert call["batch"] == 6 * 24 // rows and call["m"] == rows
+
+
+def test_chunk_rows_spread_few_slots_in_aligned_halves(monkeypatch):
+    monkeypatch.setattr(slot_blas, "ENTRIES_WANTED", 256)
+    monkeypatch.setattr(slot_blas, "MIN_CHUNK_ROWS", 64)
+    gate_up = torch.empty(4, 1536, 2048, dtype=torch.bfloat16)
+    assert slot_blas.chunk_rows(8, gate_up) == 96  # 8 slots x 16 chunks: 48 rows would be under the fewest
+    assert slot_blas.chunk_rows(32, gate_up) == 192  # 32 x 8 = 256
+    assert slot_blas.chunk_rows(256, gate_up) == 1536  # enough slots: whole matrices
+    assert slot_blas.chunk_rows(8, torch.empty(4, 1552, 2048, dtype=torch.bfloat16)) == 776  # 388 rows: 776 bytes
+    assert slot_blas.chunk_rows(8, torch.empty(4, 1536, 2048, dtype=torch.bfloat16).transpose(1, 2)) == 64  # 8 x 32
+
+
 def test_slot_pointers_name_each_slots_matrix_vector_and_output():
     table, x = torch.zeros(4, 8, 16), torch.zeros(3, 16)
     ids = torch.tensor([2, 0, 3, 3, 1, 2])
@@ -96,6 +122,13 @@ def test_slot_pointers_name_each_slots_matrix_vector_and_output():
     assert pointers[0].tolist() == [table[e].data_ptr() for e in ids.tolist()]
     assert pointers[1].tolist() == [x[s // 2].data_ptr() for s in range(6)]
     assert pointers[2].tolist() == [out[s].data_ptr() for s in range(6)]
+    chunked = slot_blas.slot_pointers(x, table, ids, 2, out, rows=2)  # four chunks of two rows per slot
+    assert chunked.shape == (3, 24)
+    assert chunked[0].tolist() == [table[e, c:].data_ptr() for e in ids.tolist() for c in range(0, 8, 2)]
+    assert chunked[1].tolist() == [x[s // 2].data_ptr() for s in range(6) for _ in range(4)]
+    assert chunked[2].tolist() == [out[s, c:].data_ptr() for s in range(6) for c in range(0, 8, 2)]
+    again = torch.empty(6, 8)  # kept offsets, the new call's addresses
+    assert slot_blas.slot_pointers(x, table, ids, 2, again)[2].tolist() == [again[s].data_ptr() for s in range(6)]
 
 
 def test_applies_only_where_cublas_takes_the_pointers(monkeypatch):
@@ -143,16 +176,19 @@ def _aligned(case) -> bool:
     return case.H % 8 == 0 and case.I % 8 == 0
 
 
+@pytest.mark.parametrize("min_rows", [64, 8])
 @pytest.mark.parametrize("case", [c for c in CASES if _aligned(c)], ids=case_id)
-def test_batched_mm_on_slot_products_passes_the_vectors(fake, case):
+def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case, min_rows):
     """batched_mm with its per-slot products on the stand-in: forward and gradients within the tolerance table,
     and both projections' forward products made there (one batched call each)."""
+    monkeypatch.setattr(slot_blas, "MIN_CHUNK_ROWS", min_rows)  # 8: each slot's rows in chunks of 8
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     tensors = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in case.inputs.items()}
     tensors = {n: t if n == "top_k_index" else t.to(dtypes[case.dtype]).requires_grad_() for n, t in tensors.items()}
     out = moe_torch.experts_forward(**tensors, implementation="batched_mm", activation=case.activation)
     assert_close("out", out.detach().float().numpy(), case.expected["out"], case.dtype)
     assert len(fake.calls) == (2 if case.T else 0)
+    assert all(call["m"] == (8 if min_rows == 8 else 16) for call in fake.calls)
     out.backward(torch.from_numpy(case.grad_output).to(dtypes[case.dtype]))
     after_backward = len(fake.calls)
     for name in DIFF_ARGS:
