@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 
 DEVICES = ("cuda",)
-# batch entries a call aims for, slots times row chunks, and the fewest rows a chunk has (see chunk_rows)
-ENTRIES_WANTED = 256
+# batch entries a call aims for, slots times row chunks, and the fewest rows a chunk has (see chunk_rows). 0: a batch
+# entry per slot, the way measured on the H100 (tests/device_results/nvidia-h100-batched-slots.json); chunks (e.g.
+# 256 entries of at least 64 rows) are tested on the CPU and timed by tests/device_batched_slots.py, not yet run
+ENTRIES_WANTED = 0
 MIN_CHUNK_ROWS = 64
 ALIGNMENT = 16  # bytes: every matrix and vector address cuBLAS is given, so its tensor-core paths apply
 _CUDA_TYPE = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
@@ -142,7 +144,7 @@ def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_
     offsets = _cached_offsets(slots, rows_per_x, chunks, rows * table.stride(1) * size, rows * size,
                               x.stride(0) * size, out.stride(0) * size, x.device)
     pointers = torch.empty_like(offsets)
-    torch.add(offsets[0].view(slots, chunks), ids.view(slots, 1), alpha=table.stride(0) * size,
+    torch.add(offsets[0].view(slots, chunks), ids.reshape(slots, 1), alpha=table.stride(0) * size,
               out=pointers[0].view(slots, chunks))
     pointers[0].add_(table.data_ptr())
     torch.add(offsets[1], x.data_ptr(), out=pointers[1])

@@ -113,6 +113,16 @@ def test_chunk_rows_spread_few_slots_in_aligned_halves(monkeypatch):
     assert slot_blas.chunk_rows(8, torch.empty(4, 1536, 2048, dtype=torch.bfloat16).transpose(1, 2)) == 64  # 8 x 32
 
 
+def test_by_default_a_batch_entry_per_slot():
+    assert slot_blas.chunk_rows(1, torch.empty(4, 1536, 2048, dtype=torch.bfloat16)) == 1536
+
+
+def test_slot_pointers_take_strided_routing_ids():
+    table, x, out = torch.zeros(4, 8, 16), torch.zeros(3, 16), torch.empty(3, 8)
+    ids = torch.tensor([[2, 9], [0, 9], [3, 9]])[:, 0]  # a column: not contiguous
+    assert slot_blas.slot_pointers(x, table, ids, 1, out)[0].tolist() == [table[e].data_ptr() for e in (2, 0, 3)]
+
+
 def test_slot_pointers_name_each_slots_matrix_vector_and_output():
     table, x = torch.zeros(4, 8, 16), torch.zeros(3, 16)
     ids = torch.tensor([2, 0, 3, 3, 1, 2])
@@ -181,6 +191,7 @@ def _aligned(case) -> bool:
 def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case, min_rows):
     """batched_mm with its per-slot products on the stand-in: forward and gradients within the tolerance table,
     and both projections' forward products made there (one batched call each)."""
+    monkeypatch.setattr(slot_blas, "ENTRIES_WANTED", 256)
     monkeypatch.setattr(slot_blas, "MIN_CHUNK_ROWS", min_rows)  # 8: each slot's rows in chunks of 8
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     tensors = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in case.inputs.items()}
