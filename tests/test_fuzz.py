@@ -18,7 +18,8 @@ The examples are the same on every run (derandomize, no database). JAX compiles 
 per example and backend, three for eager), so it gets fewer examples than torch: the file runs in about a minute on
 two cores. ``triton`` runs on CUDA only, or under the Triton interpreter, which executes each program on the host:
 its kernels get a few draws there (``TRITON_EXAMPLES``) through the torch binding, besides tests/test_triton.py's
-fixed cases.
+fixed cases. torch ``batched_mm``'s CUDA way (per-slot cuBLAS pointer arrays) gets draws of its own on the CPU
+through a stand-in for cuBLAS (``SLOT_EXAMPLES``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _cpu_backends(available: dict[str, str | None]) -> list[str]:
 
 TORCH_BACKENDS = _cpu_backends(moe_torch.available_backends("cpu"))
 JAX_BACKENDS = _cpu_backends(moe_jax.available_backends("cpu"))
-TORCH_EXAMPLES, JAX_EXAMPLES, TRITON_EXAMPLES = 100, 6, 40
+TORCH_EXAMPLES, JAX_EXAMPLES, TRITON_EXAMPLES, SLOT_EXAMPLES = 100, 6, 40, 40
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 NOISE_FACTOR = 4
 REGISTRIES = {"torch": moe_torch.ExpertsInterface, "jax": moe_jax.BACKENDS}
@@ -431,6 +432,32 @@ def test_triton_kernels_give_torch_and_jax_the_same_bits(params):
     got = {n: np.asarray(v.astype(jnp.float32), np.float64) for n, v in ({"out": out} | grads).items()}
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@fuzz(SLOT_EXAMPLES)
+@given(params=problem_params())
+@example(params=_params(T=6, H=16, I=8, E=3, k=2, bias=True, layout="transposed", empty_fraction=0.25))
+def test_batched_mm_slot_products_match_the_reference(params):
+    """torch ``batched_mm`` with its CUDA way, the per-slot products on cuBLAS pointer arrays (moe_torch.slot_blas),
+    here through test_slot_blas's stand-in for cublasGemmBatchedEx, which reads and writes the memory the pointers
+    name; H and I rounded up to multiples of 8 so the addresses are aligned and the way applies (except to strided
+    rows), each slot's output rows in chunks of 8 where there are few slots. Forward and every gradient."""
+    from test_slot_blas import FakeGemmBatched
+    from moe_torch import slot_blas
+    from moe_torch.backends import batched_mm
+    params = params | {"H": -(-params["H"] // 8) * 8, "I": -(-params["I"] // 8) * 8}
+    problem = build_problem(params)
+    gemm = FakeGemmBatched()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slot_blas, "DEVICES", ("cpu",))
+        patch.setattr(slot_blas, "_gemm_batched", lambda: gemm)
+        patch.setattr(slot_blas, "_blas_handle", lambda: 0)
+        patch.setattr(slot_blas, "ENTRIES_WANTED", 64)
+        patch.setattr(slot_blas, "MIN_CHUNK_ROWS", 8)
+        patch.setattr(batched_mm, "IN_PLACE_DEVICES", ())
+        results = torch_results(problem, "batched_mm")
+    check_close(problem, results, problem.expected, "torch batched_mm (slot products)")
+    assert bool(gemm.calls) == (problem.params["T"] > 0 and params["layout"] != "step")
 
 
 # --- JAX --------------------------------------------------------------------------------------------------------
