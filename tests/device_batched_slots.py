@@ -15,11 +15,9 @@ Writes DIR/batched-slots.json; prints each check and a table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -79,10 +77,7 @@ def graphs(setting):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    folder = device_decode_profile.out_folder()
     device = torch.device("cuda")
     checks, timings = [], {}
 
@@ -172,7 +167,7 @@ def main() -> None:
                  "triples: [CUDA events around one call, host up to its result, host until the call returned]"},
         "summary": {"passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks)},
         "checks": checks, "timings_ms_device_host": timings}
-    (args.out / "batched-slots.json").write_text(json.dumps(result, indent=1))
+    (folder / "batched-slots.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"]))
 
 

@@ -92,6 +92,15 @@ def qwen3_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             (torch.randn(E, H, I, device=device, generator=gen) / I ** 0.5).bfloat16())
 
 
+def out_folder() -> Path:
+    """The folder of ``--out`` (the only argument of the scripts beside this one), made."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    out = parser.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)

@@ -20,11 +20,9 @@ Writes DIR/graphs-check.json; prints each check and a table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -50,10 +48,7 @@ def timed(call) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    folder = device_decode_profile.out_folder()
     device = torch.device("cuda")
     gate_up, down = device_decode_profile.qwen3_weights(device)
     spec = load_spec()
@@ -142,7 +137,7 @@ def main() -> None:
         "memory": {"reserved_by_captures_gib": (reserved_after - reserved_before) / 2**30, "graphs_kept": kept,
                    "reserved_after_release_gib": torch.cuda.memory_reserved() / 2**30},
     }
-    (args.out / "graphs-check.json").write_text(json.dumps(result, indent=1))
+    (folder / "graphs-check.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"]), json.dumps(result["memory"]))
 
 
