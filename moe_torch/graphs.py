@@ -12,9 +12,10 @@ at each replay; a weight tensor replaced by another is a new signature, as are o
 algorithms and reduced-precision matmuls (they pick kernels at capture).
 
 Memory: every graph of a device allocates from one pool, which keeps the largest call's working memory (a few MiB of
-activations; batched_mm's gathered weights where it cannot read them in place) plus each graph's buffers; at most MAX_GRAPHS graphs are kept (the
-least recently used goes first); ``release()`` drops them all. ``MOE_TORCH_GRAPHS``: ``auto`` (default) as above,
-``off`` never. Calls from several threads or on several streams at once should turn it off.
+activations; batched_mm's gathered weights where it cannot read them in place) plus each graph's buffers; at most
+MAX_GRAPHS graphs are kept (the least recently used goes first); ``release()`` drops them all.
+``MOE_TORCH_GRAPHS``: ``auto`` (default) as above, ``off`` never. Calls from several threads or on several streams at
+once should turn it off.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def applies(x: torch.Tensor, table: torch.Tensor) -> bool:
     """Whether ``x`` [S', K] times ``table`` [E, N, K] runs here: CUDA, one of the three float dtypes on both, x's
     rows contiguous, each expert's matrix row- or column-contiguous, every address 16-byte aligned, not under
     torch.compile."""
-    if not (x.device.type in DEVICES and x.dtype in _CUDA_TYPE and table.dtype == x.dtype and x.dim() == 2 and table.dim() == 3
-            and x.stride(1) == 1 and not torch.compiler.is_compiling()):
+    if not (x.device.type in DEVICES and x.dtype in _CUDA_TYPE and table.dtype == x.dtype and x.dim() == 2
+            and table.dim() == 3 and x.stride(1) == 1 and not torch.compiler.is_compiling()):
         return False
     if table.stride(2) != 1 and table.stride(1) != 1:
         return False
@@ -95,7 +95,8 @@ def chunk_rows(slots: int, table: torch.Tensor) -> int:
     rows, size = table.shape[1], table.element_size()
     while slots * (table.shape[1] // rows) < ENTRIES_WANTED:
         half = rows // 2
-        if rows % 2 or half < MIN_CHUNK_ROWS or (half * size) % ALIGNMENT or (half * table.stride(1) * size) % ALIGNMENT:
+        misaligned = (half * size) % ALIGNMENT or (half * table.stride(1) * size) % ALIGNMENT
+        if rows % 2 or half < MIN_CHUNK_ROWS or misaligned:
             break
         rows = half
     return rows
@@ -119,9 +120,9 @@ def _cached_offsets(*key) -> torch.Tensor:
     """_offsets(*key), kept per stream for later calls. Inside a CUDA graph capture they are made afresh (the
     graph's own memory, alive as long as the graph); a kept table is only ever used on the stream it was made on, so
     freeing it when it is dropped is stream-ordered."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return _offsets(*key)
     device = key[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _offsets(*key)
     full = key + ((torch.cuda.current_stream(device).cuda_stream,) if device.type == "cuda" else ())
     table = _OFFSETS.get(full)
     if table is None:

@@ -3,8 +3,8 @@
     PYTHONPATH=. python tests/device_graphs_check.py --out DIR
 
 qwen3-30b-a3b shape, bf16, inference, for each backend the spec declares graphs for (batched_mm, grouped_mm and,
-where triton is installed, triton) and T = 1, 4, 8, 16, 64 (graphs where the backend's bound allows: batched_mm to
-T=8, the others at every T here; beyond a bound, checked that nothing is captured):
+where triton is installed, triton) and T = 1, 4, 8, 16, 64 (graphs where the backend's bound allows: every T here
+with the bounds of 2026-12-06; beyond a bound, checked that nothing is captured):
 - bits: three calls on different inputs (a quarter of the slots -1 in the last) through the graph equal the plain
   call (``MOE_TORCH_GRAPHS=off``) on the same inputs, under ``torch.no_grad`` and under ``torch.inference_mode``;
   one graph captured per (backend, T) within the bound, none beyond; after an in-place update of the down weights
