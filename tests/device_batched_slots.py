@@ -164,7 +164,8 @@ def main() -> None:
         "meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                  "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "command": "PYTHONPATH=. python tests/device_batched_slots.py --out DIR",
-                 "units": "ms; '... device': per call in a CUDA graph of 20; triples: [CUDA events around one call, host up to its result, host until the call returned]"},
+                 "units": "ms; '... device': per call in a CUDA graph of 20; triples: [CUDA events around one "
+                          "call, host up to its result, host until the call returned]"},
         "summary": {"passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks)},
         "checks": checks, "timings_ms_device_host": timings}
     (folder / "batched-slots.json").write_text(json.dumps(result, indent=1))
