@@ -51,8 +51,9 @@ def _batched_gather(s: Shape) -> Extra:
 
 
 def _torch_batched_gather(s: Shape) -> Extra:
-    """moe_torch batched_mm: one projection's weights gathered at a time (the gate/up one, 2/3 of an expert) in the
-    forward; the backward gathers none (grouped matmuls over the slots sorted by expert)."""
+    """moe_torch batched_mm compiled: one projection's weights gathered at a time (the gate/up one, 2/3 of an expert)
+    in the forward; the backward gathers none (grouped matmuls over the slots sorted by expert). Uncompiled on CUDA it
+    gathers none either (moe_torch.slot_blas); the estimate is the compiled one for both series."""
     return Extra(memory=s.slots * s.expert_bytes * 2 / 3, bytes=3 * s.slots * s.expert_bytes)
 
 
