@@ -145,11 +145,12 @@ def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_
     offsets = _cached_offsets(slots, rows_per_x, chunks, rows * table.stride(1) * size, rows * size,
                               x.stride(0) * size, out.stride(0) * size, x.device)
     pointers = torch.empty_like(offsets)
-    torch.add(offsets[0].view(slots, chunks), ids.reshape(slots, 1), alpha=table.stride(0) * size,
-              out=pointers[0].view(slots, chunks))
-    pointers[0].add_(table.data_ptr())
-    torch.add(offsets[1], x.data_ptr(), out=pointers[1])
-    torch.add(offsets[2], out.data_ptr(), out=pointers[2])
+    (matrix_offsets, x_offsets, out_offsets), (matrices, vectors, outputs) = offsets.unbind(), pointers.unbind()
+    torch.add(matrix_offsets.view(slots, chunks), ids.reshape(slots, 1), alpha=table.stride(0) * size,
+              out=matrices.view(slots, chunks))
+    matrices.add_(table.data_ptr())
+    torch.add(x_offsets, x.data_ptr(), out=vectors)
+    torch.add(out_offsets, out.data_ptr(), out=outputs)
     return pointers
 
 
@@ -183,10 +184,12 @@ def products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x
     pointers = slot_pointers(x, table, ids, rows_per_x, out, rows)
     transa, _, k, lda = gemm_arguments(table)
     cuda_type, batch = _CUDA_TYPE[x.dtype], pointers.shape[1]
+    matrices = pointers.data_ptr()  # the three rows of pointers: matrices, vectors, outputs
+    vectors, outputs = matrices + 8 * batch, matrices + 16 * batch
     with _on(x.device):
-        status = _gemm_batched()(_blas_handle(), transa, _OP_N, rows, 1, k, _ONE, pointers[0].data_ptr(), cuda_type,
-                                 lda, pointers[1].data_ptr(), cuda_type, k, _ZERO, pointers[2].data_ptr(), cuda_type,
-                                 rows, batch, _compute_type(x.dtype), _GEMM_DEFAULT)
+        status = _gemm_batched()(_blas_handle(), transa, _OP_N, rows, 1, k, _ONE, matrices, cuda_type, lda, vectors,
+                                 cuda_type, k, _ZERO, outputs, cuda_type, rows, batch, _compute_type(x.dtype),
+                                 _GEMM_DEFAULT)
     if status != 0:
         raise RuntimeError(f"moe_torch.slot_blas: cublasGemmBatchedEx returned status {status} (m={rows}, k={k}, "
                            f"lda={lda}, batch={batch}, dtype={x.dtype})")
