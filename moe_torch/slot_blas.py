@@ -7,8 +7,8 @@ few slots on, that copy is most of the call (on the H100, qwen3-30b-a3b at T=4: 
 matrix in place: out[s] = table[ids[s]] @ x[s // rows_per_x], as an [N, 1] product per slot. The pointer arrays are
 made on the device by a few integer ops on the routing ids (no host sync; a CUDA graph captures them), and the call
 runs on torch's cuBLAS handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each
-matrix row- or column-contiguous, every address a multiple of 16 bytes, outside torch.compile (which cannot trace a
-ctypes call; there the gathered way is what inductor fuses). float32 runs in TF32 exactly where
+matrix row- or column-contiguous, every address a multiple of 16 bytes; under torch.compile as the opaque op
+``moe_torch::slot_products`` (the compiler cannot trace a ctypes call). float32 runs in TF32 exactly where
 ``torch.backends.cuda.matmul.allow_tf32`` lets torch's own matmuls do so.
 """
 
@@ -76,16 +76,23 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % ALIGNMENT == 0 and all(s * size % ALIGNMENT == 0 for s in strides)
 
 
+def _laid_out(x: torch.Tensor, table: torch.Tensor) -> bool:
+    """The conditions known from shapes, dtypes and strides alone (also to torch.compile's tracing)."""
+    return (x.device.type in DEVICES and x.dtype in _CUDA_TYPE and table.dtype == x.dtype and x.dim() == 2
+            and table.dim() == 3 and x.stride(1) == 1 and (table.stride(2) == 1 or table.stride(1) == 1))
+
+
+def _addresses_aligned(x: torch.Tensor, table: torch.Tensor) -> bool:
+    return _aligned(x, x.stride(0)) and _aligned(table, table.stride(0), gemm_arguments(table)[3])
+
+
 def applies(x: torch.Tensor, table: torch.Tensor) -> bool:
     """Whether ``x`` [S', K] times ``table`` [E, N, K] runs here: CUDA, one of the three float dtypes on both, x's
-    rows contiguous, each expert's matrix row- or column-contiguous, every address 16-byte aligned, not under
-    torch.compile."""
-    if not (x.device.type in DEVICES and x.dtype in _CUDA_TYPE and table.dtype == x.dtype and x.dim() == 2
-            and table.dim() == 3 and x.stride(1) == 1 and not torch.compiler.is_compiling()):
+    rows contiguous, each expert's matrix row- or column-contiguous, every address 16-byte aligned. Under
+    torch.compile the addresses are not known yet: the op ``moe_torch::slot_products`` checks them when it runs."""
+    if not _laid_out(x, table):
         return False
-    if table.stride(2) != 1 and table.stride(1) != 1:
-        return False
-    return _aligned(x, x.stride(0)) and _aligned(table, table.stride(0), gemm_arguments(table)[3])
+    return torch.compiler.is_compiling() or _addresses_aligned(x, table)
 
 
 def chunk_rows(slots: int, table: torch.Tensor) -> int:
@@ -173,7 +180,37 @@ def products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x
              rows: int | None = None) -> torch.Tensor:
     """out[s] = table[ids[s]] @ x[s // rows_per_x] for every slot s ([S', K], [E, N, K], [S] -> [S, N], x's dtype),
     each slot's weights read in place by one cuBLAS batched GEMM (see ``applies``), a batch entry per ``rows`` rows
-    of a slot's output (``chunk_rows`` by default)."""
+    of a slot's output (``chunk_rows`` by default). Under torch.compile through the opaque op
+    ``moe_torch::slot_products`` (the compiler cannot trace the cuBLAS call; a CUDA graph captures it); in eager
+    mode without the op's dispatch cost (decode is host-bound)."""
+    if torch.compiler.is_compiling():
+        return _slot_products_op(x, table, ids, rows_per_x, rows)
+    return _products(x, table, ids, rows_per_x, rows)
+
+
+@torch.library.custom_op("moe_torch::slot_products", mutates_args=())
+def _slot_products_op(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
+                      rows: int | None) -> torch.Tensor:
+    """``products`` for compiled graphs. The compiler decides the addresses (and may lay out x otherwise than it
+    traced): where they do not suit cuBLAS, the same products from the gathered weights."""
+    if _laid_out(x, table) and _addresses_aligned(x, table):
+        return _products(x, table, ids, rows_per_x, rows)
+    return gathered_products(x, table, ids, rows_per_x)
+
+
+@_slot_products_op.register_fake
+def _(x, table, ids, rows_per_x, rows):
+    return x.new_empty(ids.shape[0], table.shape[1])
+
+
+def gathered_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1) -> torch.Tensor:
+    """``products`` by copying each slot's expert matrix (``table[ids]``) and one torch.bmm: the plain way."""
+    x_rows = x if rows_per_x == 1 else x.repeat_interleave(rows_per_x, dim=0)
+    return torch.bmm(table[ids], x_rows[:ids.shape[0]].unsqueeze(2)).squeeze(2)
+
+
+def _products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
+              rows: int | None) -> torch.Tensor:
     slots = ids.shape[0]
     out = x.new_empty(slots, table.shape[1])
     if slots == 0 or table.shape[1] == 0:

@@ -14,6 +14,7 @@ import torch
 import moe_torch
 from moe_torch import slot_blas
 from moe_torch.backends import batched_mm
+from moe_shared import relative_l2
 from support import CASES, DIFF_ARGS, assert_close, case_id
 
 TYPES = {0: torch.float32, 2: torch.float16, 14: torch.bfloat16}
@@ -211,3 +212,58 @@ def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case,
         again = moe_torch.experts_forward(**tensors, implementation="batched_mm", activation=case.activation)
     assert torch.equal(again, out.detach())
     assert len(fake.calls) == after_backward + (2 if case.T else 0)
+
+
+def test_compiled_batched_mm_runs_the_slot_products_op(fake, monkeypatch):
+    """Under torch.compile (fullgraph) both projections' products are the opaque op moe_torch::slot_products, which
+    reaches cuBLAS (here the stand-in) when the compiled graph runs: forward and gradients within the tolerance
+    table, and the op in the traced graph."""
+    from moe_shared import reference
+    from moe_torch.backends import grouped_mm as grouped_mm_backend
+    from support import random_case
+
+    monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
+    monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
+    arrays, dy = random_case(23, T=6, H=32, I=16, E=5, k=2, bias=False)
+    tensors = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).bfloat16().requires_grad_()
+               for n, a in arrays.items()}
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(str(gm.graph))
+        return torch._inductor.compile(gm, example_inputs)
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="batched_mm"), fullgraph=True,
+                       backend="inductor")
+    out = fn(**tensors)
+    forward_calls = len(fake.calls)
+    assert forward_calls == 2 and all(call["batch"] == 12 for call in fake.calls)
+    assert_close("out", out.detach().float().numpy(), reference.experts_forward(**arrays), "bfloat16")
+    out.backward(torch.from_numpy(dy).bfloat16())
+    expected = reference.experts_backward(**arrays, grad_output=dy)
+    for name in expected:
+        assert_close(f"grad_{name}", tensors[name].grad.float(), expected[name], "bfloat16")
+    with torch.no_grad():
+        torch._dynamo.reset()
+        gm_backend = torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="batched_mm"),
+                                   fullgraph=True, backend=backend)
+        inference = gm_backend(**{n: t.detach() if n != "top_k_index" else t for n, t in tensors.items()})
+    assert traced and traced[0].count("moe_torch.slot_products") == 2
+    assert_close("out", inference.float().numpy(), reference.experts_forward(**arrays), "bfloat16")
+
+
+def test_slot_products_op_gathers_where_addresses_do_not_suit_cublas(fake):
+    """The op the compiled graph calls checks the addresses it is given: x two bytes off 16 takes the gathered
+    products (the same values, no cuBLAS call); aligned, cuBLAS."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(4, 8, 16, generator=g).bfloat16()
+    x = torch.randn(49, generator=g).bfloat16()[1:].view(3, 16)
+    ids = torch.tensor([2, 0, 3, 3, 1, 0])
+    want = torch.stack([table[e].double() @ x[s // 2].double() for s, e in enumerate(ids.tolist())])
+    unaligned = torch.ops.moe_torch.slot_products(x, table, ids, 2, None)
+    assert fake.calls == []
+    aligned = torch.ops.moe_torch.slot_products(x.clone(), table, ids, 2, None)
+    assert len(fake.calls) == 1
+    for out in (unaligned, aligned):
+        assert relative_l2(out.double().numpy(), want.numpy()) < 1e-2
