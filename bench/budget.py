@@ -1,8 +1,8 @@
 """Memory and time estimates of a point, to skip the ones that cannot fit or would take silly long.
 
 The estimate is the roofline cost plus what a backend adds: batched_mm gathers a copy of an expert's weights
-per routed slot (moe_torch's one projection at a time, on the CPU none: each slot's matmul reads its expert's
-weights in place; transformers' and JAX's both, kept for the backward); JAX ragged_dot on CPU expands to a dense
+per routed slot (moe_torch's none on CUDA and on the CPU: each slot's matmul reads its expert's weights in place;
+elsewhere one projection at a time; transformers' and JAX's both, kept for the backward); JAX ragged_dot on CPU expands to a dense
 masked matmul of every slot against every expert.
 """
 
@@ -51,14 +51,15 @@ def _batched_gather(s: Shape) -> Extra:
 
 
 def _torch_batched_gather(s: Shape) -> Extra:
-    """moe_torch batched_mm compiled: one projection's weights gathered at a time (the gate/up one, 2/3 of an expert)
-    in the forward; the backward gathers none (grouped matmuls over the slots sorted by expert). Uncompiled on CUDA it
-    gathers none either (moe_torch.slot_blas); the estimate is the compiled one for both series."""
+    """moe_torch batched_mm where it gathers (compiled on the CPU, other devices): one projection's weights gathered
+    at a time (the gate/up one, 2/3 of an expert) in the forward; the backward gathers none (grouped matmuls over the
+    slots sorted by expert)."""
     return Extra(memory=s.slots * s.expert_bytes * 2 / 3, bytes=3 * s.slots * s.expert_bytes)
 
 
 def _torch_batched_in_place(s: Shape) -> Extra:
-    """moe_torch batched_mm on the CPU: each slot's matmuls read its expert's weights in place, again in the
+    """moe_torch batched_mm on the CPU (uncompiled; compiled it gathers in chunks of a few MB) and on CUDA
+    (moe_torch.slot_blas, compiled too): each slot's matmuls read its expert's weights in place, again in the
     backward's input gradient."""
     return Extra(bytes=s.slots * s.expert_bytes * (2 if s.backward else 1))
 
@@ -72,6 +73,7 @@ EXTRAS: dict[tuple[str, str, str], Callable[[Shape], Extra]] = {
     ("*", "batched_mm", "*"): _batched_gather,
     ("torch", "batched_mm", "*"): _torch_batched_gather,
     ("torch", "batched_mm", "cpu"): _torch_batched_in_place,
+    ("torch", "batched_mm", "cuda"): _torch_batched_in_place,
     ("torch", "transformers:batched_mm", "*"): _batched_gather,
     ("jax", "ragged_dot", "cpu"): _dense_masked,
 }
