@@ -119,46 +119,66 @@ def _offsets(slots: int, rows_per_x: int, chunks: int, matrix_chunk_bytes: int, 
                         slot * out_row_bytes + chunk * out_chunk_bytes))
 
 
-_OFFSETS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-MAX_OFFSETS = 64  # offset tables kept (per signature and stream; a few KB each at decode)
+class _PointerArray:
+    """The pointer array [3, slots * chunks] of one signature and stream, with its fixed offsets (``_offsets``) and
+    the x and out addresses its rows were last filled for: a later call of the signature rewrites the matrices' row
+    (its routing) and only the rows whose address changed. Every write and every cuBLAS call that reads the array is
+    on that one stream, in call order, so a rewrite never overtakes an earlier call's read."""
+
+    def __init__(self, offsets: torch.Tensor, slots: int, chunks: int):
+        self.pointers = torch.empty_like(offsets)
+        (matrix_offsets, self.x_offsets, self.out_offsets), rows = offsets.unbind(), self.pointers.unbind()
+        self.matrix_offsets, self.matrices = matrix_offsets.view(slots, chunks), rows[0].view(slots, chunks)
+        self.matrices_row, self.vectors, self.outputs = rows
+        self.x_address = self.out_address = None
+
+    def fill(self, table: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        torch.add(self.matrix_offsets, ids.view(-1, 1), alpha=table.stride(0) * table.element_size(),
+                  out=self.matrices)
+        self.matrices_row.add_(table.data_ptr())
+        if x.data_ptr() != self.x_address:
+            torch.add(self.x_offsets, x.data_ptr(), out=self.vectors)
+            self.x_address = x.data_ptr()
+        if out.data_ptr() != self.out_address:
+            torch.add(self.out_offsets, out.data_ptr(), out=self.outputs)
+            self.out_address = out.data_ptr()
+        return self.pointers
 
 
-def _cached_offsets(*key) -> torch.Tensor:
-    """_offsets(*key), kept per stream for later calls. Inside a CUDA graph capture they are made afresh (the
-    graph's own memory, alive as long as the graph); a kept table is only ever used on the stream it was made on, so
-    freeing it when it is dropped is stream-ordered."""
+_KEPT: OrderedDict[tuple, _PointerArray] = OrderedDict()
+MAX_KEPT = 64  # pointer arrays kept (per signature and stream; a few KB each at decode)
+
+
+def _pointer_array(key: tuple, slots: int, chunks: int, keep: bool) -> _PointerArray:
+    """The pointer array of ``key`` (``_offsets``' arguments), kept per stream for later calls where ``keep``.
+    Inside a CUDA graph capture it is made afresh (the graph's own memory, alive as long as the graph)."""
     device = key[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _offsets(*key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not keep or capturing:
+        return _PointerArray(_offsets(*key), slots, chunks)
     full = key + ((torch.cuda.current_stream(device).cuda_stream,) if device.type == "cuda" else ())
-    table = _OFFSETS.get(full)
-    if table is None:
-        table = _OFFSETS[full] = _offsets(*key)
-        if len(_OFFSETS) > MAX_OFFSETS:
-            _OFFSETS.popitem(last=False)
+    array = _KEPT.get(full)
+    if array is None:
+        array = _KEPT[full] = _PointerArray(_offsets(*key), slots, chunks)
+        if len(_KEPT) > MAX_KEPT:
+            _KEPT.popitem(last=False)
     else:
-        _OFFSETS.move_to_end(full)
-    return table
+        _KEPT.move_to_end(full)
+    return array
 
 
 def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, out: torch.Tensor,
-                  rows: int | None = None) -> torch.Tensor:
+                  rows: int | None = None, keep: bool = True) -> torch.Tensor:
     """[3, S * chunks] int64 on the device: per batch entry (slot s, chunk c of ``rows`` rows; one chunk of N rows by
     default) the address in bytes of its rows of ``table[ids[s]]``, of ``x[s // rows_per_x]`` and of its rows of
-    ``out[s]``. Three small ops per call; the rest is kept per signature (``_cached_offsets``)."""
+    ``out[s]``. With ``keep``, the array is kept for the next call of the signature on this stream (which rewrites
+    it: read it before then); a call then costs two small ops where x and out have the addresses of the last one."""
     slots, size = ids.shape[0], x.element_size()
     rows = table.shape[1] if rows is None else rows
     chunks = table.shape[1] // rows
-    offsets = _cached_offsets(slots, rows_per_x, chunks, rows * table.stride(1) * size, rows * size,
-                              x.stride(0) * size, out.stride(0) * size, x.device)
-    pointers = torch.empty_like(offsets)
-    (matrix_offsets, x_offsets, out_offsets), (matrices, vectors, outputs) = offsets.unbind(), pointers.unbind()
-    torch.add(matrix_offsets.view(slots, chunks), ids.reshape(slots, 1), alpha=table.stride(0) * size,
-              out=matrices.view(slots, chunks))
-    matrices.add_(table.data_ptr())
-    torch.add(x_offsets, x.data_ptr(), out=vectors)
-    torch.add(out_offsets, out.data_ptr(), out=outputs)
-    return pointers
+    key = (slots, rows_per_x, chunks, rows * table.stride(1) * size, rows * size, x.stride(0) * size,
+           out.stride(0) * size, x.device)
+    return _pointer_array(key, slots, chunks, keep).fill(table, ids, x, out)
 
 
 def _compute_type(dtype: torch.dtype) -> int:
@@ -185,16 +205,18 @@ def products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x
     mode without the op's dispatch cost (decode is host-bound)."""
     if torch.compiler.is_compiling():
         return _slot_products_op(x, table, ids, rows_per_x, rows)
-    return _products(x, table, ids, rows_per_x, rows)
+    return _products(x, table, ids, rows_per_x, rows, keep=True)
 
 
 @torch.library.custom_op("moe_torch::slot_products", mutates_args=())
 def _slot_products_op(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
                       rows: int | None) -> torch.Tensor:
     """``products`` for compiled graphs. The compiler decides the addresses (and may lay out x otherwise than it
-    traced): where they do not suit cuBLAS, the same products from the gathered weights."""
+    traced): where they do not suit cuBLAS, the same products from the gathered weights. Its pointer arrays are
+    not kept: a graph of torch.compile's CUDA-graph modes must own every tensor made in its pool, also in the
+    warm-up runs it makes there without capturing."""
     if _laid_out(x, table) and _addresses_aligned(x, table):
-        return _products(x, table, ids, rows_per_x, rows)
+        return _products(x, table, ids, rows_per_x, rows, keep=False)
     return gathered_products(x, table, ids, rows_per_x)
 
 
@@ -209,8 +231,8 @@ def gathered_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, r
     return torch.bmm(table[ids], x_rows[:ids.shape[0]].unsqueeze(2)).squeeze(2)
 
 
-def _products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
-              rows: int | None) -> torch.Tensor:
+def _products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, rows: int | None,
+              keep: bool) -> torch.Tensor:
     slots = ids.shape[0]
     out = x.new_empty(slots, table.shape[1])
     if slots == 0 or table.shape[1] == 0:
@@ -218,7 +240,7 @@ def _products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_
     if table.shape[2] == 0:
         return out.zero_()
     rows = chunk_rows(slots, table) if rows is None else rows
-    pointers = slot_pointers(x, table, ids, rows_per_x, out, rows)
+    pointers = slot_pointers(x, table, ids, rows_per_x, out, rows, keep)
     transa, _, k, lda = gemm_arguments(table)
     cuda_type, batch = _CUDA_TYPE[x.dtype], pointers.shape[1]
     matrices = pointers.data_ptr()  # the three rows of pointers: matrices, vectors, outputs

@@ -10,6 +10,7 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_torch
 from moe_torch import slot_blas
@@ -138,8 +139,41 @@ def test_slot_pointers_name_each_slots_matrix_vector_and_output():
     assert chunked[0].tolist() == [table[e, c:].data_ptr() for e in ids.tolist() for c in range(0, 8, 2)]
     assert chunked[1].tolist() == [x[s // 2].data_ptr() for s in range(6) for _ in range(4)]
     assert chunked[2].tolist() == [out[s, c:].data_ptr() for s in range(6) for c in range(0, 8, 2)]
-    again = torch.empty(6, 8)  # kept offsets, the new call's addresses
+    again = torch.empty(6, 8)  # the kept array, rewritten for the new call's addresses
     assert slot_blas.slot_pointers(x, table, ids, 2, again)[2].tolist() == [again[s].data_ptr() for s in range(6)]
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_kept_pointer_array_rewrites_only_what_changed():
+    """The next call of a signature rewrites the kept array: the matrices' row always (two ops), x's and out's rows
+    only where their addresses changed; every row right after each call. Not kept: a fresh array each call."""
+    slot_blas._KEPT.clear()
+    g = torch.Generator().manual_seed(5)
+    tables = [torch.randn(4, 8, 16, generator=g) for _ in range(2)]
+    xs, outs = [torch.zeros(3, 16) for _ in range(2)], [torch.empty(6, 8) for _ in range(2)]
+    for step, (table, x, out) in enumerate([(tables[0], xs[0], outs[0]), (tables[1], xs[0], outs[0]),
+                                            (tables[0], xs[1], outs[0]), (tables[1], xs[0], outs[1])]):
+        ids = torch.randint(0, 4, (6,), generator=g)
+        with _Ops() as ops:
+            pointers = slot_blas.slot_pointers(x, table, ids, 2, out)
+        assert pointers[0].tolist() == [table[e].data_ptr() for e in ids.tolist()]
+        assert pointers[1].tolist() == [x[s // 2].data_ptr() for s in range(6)]
+        assert pointers[2].tolist() == [out[s].data_ptr() for s in range(6)]
+        kernels = [name for name in ops.names if not name.startswith(("view", "unbind", "select"))]
+        if step:  # the first call makes the array and its offsets
+            assert len(kernels) == {1: 2, 2: 3, 3: 4}[step], (step, ops.names)
+    assert len(slot_blas._KEPT) == 1
+    fresh = slot_blas.slot_pointers(xs[0], tables[0], ids, 2, outs[0], keep=False)
+    assert fresh.data_ptr() != pointers.data_ptr() and len(slot_blas._KEPT) == 1
 
 
 def test_applies_only_where_cublas_takes_the_pointers(monkeypatch):
@@ -255,15 +289,16 @@ def test_compiled_batched_mm_runs_the_slot_products_op(fake, monkeypatch):
 
 def test_slot_products_op_gathers_where_addresses_do_not_suit_cublas(fake):
     """The op the compiled graph calls checks the addresses it is given: x two bytes off 16 takes the gathered
-    products (the same values, no cuBLAS call); aligned, cuBLAS."""
+    products (the same values, no cuBLAS call); aligned, cuBLAS, on a pointer array it does not keep."""
     g = torch.Generator().manual_seed(3)
     table = torch.randn(4, 8, 16, generator=g).bfloat16()
     x = torch.randn(49, generator=g).bfloat16()[1:].view(3, 16)
     ids = torch.tensor([2, 0, 3, 3, 1, 0])
     want = torch.stack([table[e].double() @ x[s // 2].double() for s, e in enumerate(ids.tolist())])
+    slot_blas._KEPT.clear()
     unaligned = torch.ops.moe_torch.slot_products(x, table, ids, 2, None)
     assert fake.calls == []
     aligned = torch.ops.moe_torch.slot_products(x.clone(), table, ids, 2, None)
-    assert len(fake.calls) == 1
+    assert len(fake.calls) == 1 and not slot_blas._KEPT  # a compiled graph owns its pointer arrays
     for out in (unaligned, aligned):
         assert relative_l2(out.double().numpy(), want.numpy()) < 1e-2
