@@ -24,8 +24,8 @@ import torch
 
 DEVICES = ("cuda",)
 # batch entries a call aims for, slots times row chunks, and the fewest rows a chunk has (see chunk_rows). 0: a batch
-# entry per slot, the way measured on the H100 (tests/device_results/nvidia-h100-batched-slots.json); chunks (e.g.
-# 256 entries of at least 64 rows) are tested on the CPU and timed by tests/device_batched_slots.py, not yet run
+# entry per slot: on the H100 chunks of 768 to 48 rows were no faster at T = 1 to 64 and up to 15% slower
+# (tests/device_results/nvidia-h100-batched-slots.json, tests/device_batched_slots.py)
 ENTRIES_WANTED = 0
 MIN_CHUNK_ROWS = 64
 ALIGNMENT = 16  # bytes: every matrix and vector address cuBLAS is given, so its tensor-core paths apply
