@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import slot_blas
+
 VARIABLE = "MOE_TORCH_GRAPHS"
 MAX_GRAPHS = 256
 _SETTINGS = ("auto", "off")
@@ -98,7 +100,7 @@ def _pool(device: torch.device) -> tuple:
 def _capture(call, inputs) -> _Graph | None:
     """One warm-up call on a side stream (lazy initialisation, kernel compilation), then the capture."""
     device = inputs[0].device
-    with torch.cuda.device(device), torch.inference_mode(False), torch.no_grad():
+    with torch.cuda.device(device), torch.inference_mode(False), torch.no_grad(), slot_blas.own_arrays():
         buffers = tuple(t.clone() for t in inputs)
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)

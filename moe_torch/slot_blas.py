@@ -149,6 +149,43 @@ _KEPT: OrderedDict[tuple, _PointerArray] = OrderedDict()
 MAX_KEPT = 64  # pointer arrays kept (per signature and stream; a few KB each at decode)
 
 
+_OWN_ARRAYS = [0]  # depth of own_arrays() contexts
+
+
+@contextlib.contextmanager
+def own_arrays():
+    """Calls inside make their pointer arrays afresh, by one Triton kernel: for a CUDA graph's warm-up call and its
+    capture (the warm-up compiles the kernel, the capture records its launch; nothing of the graph is kept here)."""
+    _OWN_ARRAYS[0] += 1
+    try:
+        yield
+    finally:
+        _OWN_ARRAYS[0] -= 1
+
+
+@cache
+def _pointer_kernel():
+    """shared/kernels/slot_pointers' launcher, or None without triton."""
+    try:
+        from moe_shared.kernels import slot_pointers
+    except ImportError:
+        return None
+    return slot_pointers.launch
+
+
+def _own_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, out: torch.Tensor,
+                  rows: int, key: tuple) -> torch.Tensor | None:
+    """A pointer array of the call's own by one Triton kernel launch (None without triton)."""
+    launch = _pointer_kernel()
+    if launch is None:
+        return None
+    slots, chunks, matrix_chunk_bytes, out_chunk_bytes, x_row_bytes, out_row_bytes = (key[0], *key[2:7])
+    pointers = torch.empty(3, slots * chunks, dtype=torch.int64, device=x.device)
+    launch(ids, ids.stride(0), pointers, chunks, rows_per_x, table.data_ptr(), table.stride(0) * x.element_size(),
+           matrix_chunk_bytes, x.data_ptr(), x_row_bytes, out.data_ptr(), out_row_bytes, out_chunk_bytes)
+    return pointers
+
+
 def _pointer_array(key: tuple, slots: int, chunks: int, keep: bool) -> _PointerArray:
     """The pointer array of ``key`` (``_offsets``' arguments), kept per stream for later calls where ``keep``.
     Inside a CUDA graph capture it is made afresh (the graph's own memory, alive as long as the graph)."""
@@ -171,13 +208,21 @@ def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_
                   rows: int | None = None, keep: bool = True) -> torch.Tensor:
     """[3, S * chunks] int64 on the device: per batch entry (slot s, chunk c of ``rows`` rows; one chunk of N rows by
     default) the address in bytes of its rows of ``table[ids[s]]``, of ``x[s // rows_per_x]`` and of its rows of
-    ``out[s]``. With ``keep``, the array is kept for the next call of the signature on this stream (which rewrites
-    it: read it before then); a call then costs two small ops where x and out have the addresses of the last one."""
+    ``out[s]``. With ``keep`` (and outside ``own_arrays``), the array is kept for the next call of the signature on
+    this stream (which rewrites it: read it before then); a call then costs two small ops where x and out have the
+    addresses of the last one. Otherwise the call gets an array of its own from one Triton kernel (made by eleven
+    small ops without triton, and inside a CUDA graph capture outside ``own_arrays``, where the kernel may not be
+    compiled yet)."""
     slots, size = ids.shape[0], x.element_size()
     rows = table.shape[1] if rows is None else rows
     chunks = table.shape[1] // rows
     key = (slots, rows_per_x, chunks, rows * table.stride(1) * size, rows * size, x.stride(0) * size,
            out.stride(0) * size, x.device)
+    keep = keep and not _OWN_ARRAYS[0]
+    if not keep:
+        pointers = _own_pointers(x, table, ids, rows_per_x, out, rows, key)
+        if pointers is not None:
+            return pointers
     return _pointer_array(key, slots, chunks, keep).fill(table, ids, x, out)
 
 

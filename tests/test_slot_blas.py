@@ -302,3 +302,26 @@ def test_slot_products_op_gathers_where_addresses_do_not_suit_cublas(fake):
     assert len(fake.calls) == 1 and not slot_blas._KEPT  # a compiled graph owns its pointer arrays
     for out in (unaligned, aligned):
         assert relative_l2(out.double().numpy(), want.numpy()) < 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["triton", "without triton"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_own_pointer_arrays_name_the_same_addresses(monkeypatch, kernel, index_dtype):
+    """Inside own_arrays() (a decode graph's warm-up and capture) and for the compiled op, a call gets an array of its
+    own, by one Triton kernel (here under the interpreter) or, without triton, by the small ops: the same addresses
+    as the kept array, for chunks, several slots per row of x and strided routing ids."""
+    if kernel == "without triton":
+        monkeypatch.setattr(slot_blas, "_pointer_kernel", lambda: None)
+    table, x, out = torch.zeros(5, 8, 16), torch.zeros(3, 16), torch.empty(6, 8)
+    ids = torch.tensor([[2, 9], [0, 9], [4, 9], [4, 9], [1, 9], [3, 9]], dtype=index_dtype)[:, 0]
+    for rows, rows_per_x in ((8, 2), (2, 2), (4, 3)):
+        kept = slot_blas.slot_pointers(x, table, ids, rows_per_x, out, rows).clone()
+        with slot_blas.own_arrays():
+            own = slot_blas.slot_pointers(x, table, ids, rows_per_x, out, rows)
+        fresh = slot_blas.slot_pointers(x, table, ids, rows_per_x, out, rows, keep=False)
+        chunks = 8 // rows
+        assert kept[0].tolist() == [table[e, c:].data_ptr() for e in ids.tolist() for c in range(0, 8, rows)]
+        assert kept[1].tolist() == [x[s // rows_per_x].data_ptr() for s in range(6) for _ in range(chunks)]
+        assert torch.equal(own, kept) and torch.equal(fresh, kept)
+        assert own.data_ptr() != fresh.data_ptr() and not any(
+            array.pointers.data_ptr() in (own.data_ptr(), fresh.data_ptr()) for array in slot_blas._KEPT.values())
