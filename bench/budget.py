@@ -2,8 +2,8 @@
 
 The estimate is the roofline cost plus what a backend adds: batched_mm gathers a copy of an expert's weights
 per routed slot (moe_torch's none on CUDA and on the CPU: each slot's matmul reads its expert's weights in place;
-elsewhere one projection at a time; transformers' and JAX's both, kept for the backward); JAX ragged_dot on CPU expands to a dense
-masked matmul of every slot against every expert.
+elsewhere one projection at a time; transformers' and JAX's both, kept for the backward); JAX ragged_dot on CPU
+expands to a dense masked matmul of every slot against every expert.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ slot's expert weights where they lie.
 few slots on, that copy is most of the call (on the H100, qwen3-30b-a3b at T=4: 0.19 of 0.34 ms). cuBLAS's
 ``cublasGemmBatchedEx`` takes arrays of pointers instead of strides, so each batch entry can read its expert's
 matrix in place: out[s] = table[ids[s]] @ x[s // rows_per_x], as an [N, 1] product per slot. The pointer arrays are
-made on the device by a few integer ops on the routing ids (no host sync; a CUDA graph captures them), and the call
-runs on torch's cuBLAS handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each
+made on the device from the routing ids (no host sync; a CUDA graph captures them): in eager calls a kept array
+rewritten by two small ops, in graphs and compiled code an array of the call's own by one Triton kernel
+(``moe_shared.kernels.slot_pointers``). The call runs on torch's cuBLAS handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each
 matrix row- or column-contiguous, every address a multiple of 16 bytes; under torch.compile as the opaque op
 ``moe_torch::slot_products`` (the compiler cannot trace a ctypes call). float32 runs in TF32 exactly where
 ``torch.backends.cuda.matmul.allow_tf32`` lets torch's own matmuls do so.
@@ -24,7 +25,7 @@ import torch
 
 DEVICES = ("cuda",)
 # batch entries a call aims for, slots times row chunks, and the fewest rows a chunk has (see chunk_rows). 0: a batch
-# entry per slot: on the H100 chunks of 768 to 48 rows were no faster at T = 1 to 64 and up to 15% slower
+# entry per slot: on the H100 chunks of 768 to 48 rows were no faster at T = 1 to 64 and up to 18% slower
 # (tests/device_results/nvidia-h100-batched-slots.json, tests/device_batched_slots.py)
 ENTRIES_WANTED = 0
 MIN_CHUNK_ROWS = 64
@@ -174,7 +175,7 @@ def _pointer_kernel():
 
 
 def _own_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, out: torch.Tensor,
-                  rows: int, key: tuple) -> torch.Tensor | None:
+                  key: tuple) -> torch.Tensor | None:
     """A pointer array of the call's own by one Triton kernel launch (None without triton)."""
     launch = _pointer_kernel()
     if launch is None:
@@ -220,7 +221,7 @@ def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_
            out.stride(0) * size, x.device)
     keep = keep and not _OWN_ARRAYS[0]
     if not keep:
-        pointers = _own_pointers(x, table, ids, rows_per_x, out, rows, key)
+        pointers = _own_pointers(x, table, ids, rows_per_x, out, key)
         if pointers is not None:
             return pointers
     return _pointer_array(key, slots, chunks, keep).fill(table, ids, x, out)

@@ -3,14 +3,15 @@
 Fast for a handful of tokens (no sort, no host sync in the forward). On CUDA nothing is gathered: one cuBLAS batched
 GEMM per projection whose batch entries point at each slot's expert weights where they lie (``moe_torch.slot_blas``,
 where its dtypes and alignment hold; compiled, the opaque op ``moe_torch::slot_products``). On the CPU, uncompiled,
-nothing is gathered either: each slot takes one matmul on its expert's weights in place (IN_PLACE_DEVICES; in
-bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled on the CPU, and
-elsewhere, the weights are gathered (T*k copies of an expert's) and run through torch.bmm; on the CPU in chunks
-whose gathered weights stay in cache (a few MB each, never one huge buffer). Training keeps no gathered weights: the backward sums each expert's weight gradient as one
-matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient; on CUDA one K-grouped
-``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted rows, on the CPU
-through the forward's way again (in place, or gathered in chunks when compiled). Training with a named activation
-and no biases runs as one autograd node (``_TrainingStep``: the composed path's ops and bits, one node's host cost).
+nothing is gathered either: each slot takes one matmul on its expert's weights in place (IN_PLACE_DEVICES; in bfloat16
+every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled on the CPU, and elsewhere, the
+weights are gathered (T*k copies of an expert's) and run through torch.bmm; on the CPU in chunks whose gathered weights
+stay in cache (a few MB each, never one huge buffer). Training keeps no gathered weights: the backward sums each
+expert's weight gradient as one matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient;
+on CUDA one K-grouped ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted
+rows, on the CPU through the forward's way again (in place, or gathered in chunks when compiled). Training with a named
+activation and no biases runs as one autograd node (``_TrainingStep``: the composed path's ops and bits, one node's host
+cost).
 """
 
 from __future__ import annotations
