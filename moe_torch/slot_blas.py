@@ -274,7 +274,7 @@ def _(x, table, ids, rows_per_x, rows):
 def gathered_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1) -> torch.Tensor:
     """``products`` by copying each slot's expert matrix (``table[ids]``) and one torch.bmm: the plain way."""
     x_rows = x if rows_per_x == 1 else x.repeat_interleave(rows_per_x, dim=0)
-    return torch.bmm(table[ids], x_rows[:ids.shape[0]].unsqueeze(2)).squeeze(2)
+    return torch.bmm(table[ids], x_rows.unsqueeze(2)).squeeze(2)
 
 
 def _products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, rows: int | None,

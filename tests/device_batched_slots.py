@@ -33,11 +33,6 @@ E, H, I, K = device_decode_profile.E, device_decode_profile.H, device_decode_pro
 TOLERANCE = load_spec().tolerance
 
 
-def gathered(x, table, ids, rows_per_x=1):
-    rows = torch.div(torch.arange(ids.shape[0], device=x.device), rows_per_x, rounding_mode="floor")
-    return torch.bmm(table[ids], x[rows].unsqueeze(2)).squeeze(2)
-
-
 def graph_ms(call, calls: int = 20) -> float:
     """Device ms per call: ``calls`` calls captured in one CUDA graph, the replay timed by CUDA events (median of
     10), so no host time is in it."""
@@ -128,7 +123,7 @@ def main() -> None:
         w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device, generator=g), -1), K, -1)
         w = w.bfloat16()
         ids = idx.reshape(-1)
-        reference = gathered(x, gate_up, ids, K).float().cpu().numpy()
+        reference = slot_blas.gathered_products(x, gate_up, ids, K).float().cpu().numpy()
         err = relative_l2(slot_blas.products(x, gate_up, ids, K).float().cpu().numpy(), reference)
         err_chunked = relative_l2(slot_blas.products(x, gate_up, ids, K, rows=96).float().cpu().numpy(), reference)
         check(f"T={T}: gate/up slot products (whole and in chunks of 96 rows) against gathered bmm",
@@ -152,7 +147,7 @@ def main() -> None:
                     row[f"{name} rows={rows} device"] = graph_ms(
                         lambda: slot_blas.products(vectors, table, ids, rows_x, rows=rows))
                 if T <= 64:  # a graph of gathers keeps every call's copy: 20 x 19 GB at T=256
-                    row[f"{name} gathered device"] = graph_ms(lambda: gathered(vectors, table, ids, rows_x))
+                    row[f"{name} gathered device"] = graph_ms(lambda: slot_blas.gathered_products(vectors, table, ids, rows_x))
             call = device_decode_profile.timed(lambda: slot_blas.products(x, gate_up, ids, K))
             row["gate_up products: launch host, whole host"] = [call[2], call[1]]
             out = torch.empty(T * K, 2 * I, device=device, dtype=torch.bfloat16)
