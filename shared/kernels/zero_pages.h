@@ -46,6 +46,18 @@ inline bool PrivateAnonymous(uintptr_t begin, uintptr_t end) {
   return !broken && covered >= end;
 }
 
+// Maps the pages of [data, data + bytes) writable ahead of writing them (madvise MADV_POPULATE_WRITE, Linux 5.14 and
+// later; their contents stay as they are): one call instead of a fault per 4 KB page where a fresh buffer is about to
+// be written whole (on this project's 2-core VM, 100 MB of fresh pages: 52-67 ms written, 33 ms populated then 4
+// written). A hint: where the kernel does not take it, the writes fault as before.
+inline void PopulateForWriting(void* data, size_t bytes) {
+  constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE, absent from older headers
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t start = begin / page * page, end = (begin + bytes + page - 1) / page * page;
+  if (bytes > 0) madvise(reinterpret_cast<void*>(start), end - start, kPopulateWrite);
+}
+
 inline void ZeroBytes(void* data, size_t bytes) {
   const auto begin = reinterpret_cast<uintptr_t>(data);
   const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
