@@ -7,7 +7,10 @@ few slots on, that copy is most of the call (on the H100, qwen3-30b-a3b at T=4: 
 matrix in place: out[s] = table[ids[s]] @ x[s // rows_per_x], as an [N, 1] product per slot. The pointer arrays are
 made on the device from the routing ids (no host sync; a CUDA graph captures them): in eager calls a kept array
 rewritten by two small ops, in graphs and compiled code an array of the call's own by one Triton kernel
-(``moe_shared.kernels.slot_pointers``). The call runs on torch's cuBLAS handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each
+(``moe_shared.kernels.slot_pointers``). From ``ORDERED_FROM_SLOTS`` slots on, the batch entries go in expert order
+(the Triton kernel reads the slots through a stable sort of the ids; each entry still writes its own slot's row):
+the entries of one expert then run side by side, so its matrix is read from memory about once, not once per slot.
+Each entry's product is the same either way, and so are the bits. The call runs on torch's cuBLAS handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each
 matrix row- or column-contiguous, every address a multiple of 16 bytes; under torch.compile as the opaque op
 ``moe_torch::slot_products`` (the compiler cannot trace a ctypes call). float32 runs in TF32 exactly where
 ``torch.backends.cuda.matmul.allow_tf32`` lets torch's own matmuls do so.
@@ -24,11 +27,10 @@ from pathlib import Path
 import torch
 
 DEVICES = ("cuda",)
-# batch entries a call aims for, slots times row chunks, and the fewest rows a chunk has (see chunk_rows). 0: a batch
-# entry per slot: on the H100 chunks of 768 to 48 rows were no faster at T = 1 to 64 and up to 18% slower
-# (tests/device_results/nvidia-h100-batched-slots.json, tests/device_batched_slots.py)
-ENTRIES_WANTED = 0
-MIN_CHUNK_ROWS = 64
+# slots from which a call's batch entries go in expert order (see the module docstring); below, in slot order. A
+# batch entry per slot's whole output: on the H100 entries of 768 to 48 of its rows were no faster at T = 1 to 64 and
+# up to 18% slower (tests/device_results/nvidia-h100-batched-slots.json, tests/device_batched_slots.py)
+ORDERED_FROM_SLOTS = 16
 ALIGNMENT = 16  # bytes: every matrix and vector address cuBLAS is given, so its tensor-core paths apply
 _CUDA_TYPE = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
 _COMPUTE_32F, _COMPUTE_32F_PEDANTIC, _COMPUTE_32F_FAST_TF32 = 68, 69, 77  # cublasComputeType_t
@@ -96,47 +98,30 @@ def applies(x: torch.Tensor, table: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or _addresses_aligned(x, table)
 
 
-def chunk_rows(slots: int, table: torch.Tensor) -> int:
-    """Rows of a slot's output that one batch entry computes: N, halved while slots * chunks stays under
-    ENTRIES_WANTED and a half is a whole number of rows, at least MIN_CHUNK_ROWS, whose addresses stay aligned (a
-    few slots then still spread over the GPU's multiprocessors)."""
-    rows, size = table.shape[1], table.element_size()
-    while slots * (table.shape[1] // rows) < ENTRIES_WANTED:
-        half = rows // 2
-        misaligned = (half * size) % ALIGNMENT or (half * table.stride(1) * size) % ALIGNMENT
-        if rows % 2 or half < MIN_CHUNK_ROWS or misaligned:
-            break
-        rows = half
-    return rows
-
-
-def _offsets(slots: int, rows_per_x: int, chunks: int, matrix_chunk_bytes: int, out_chunk_bytes: int,
-             x_row_bytes: int, out_row_bytes: int, device: torch.device) -> torch.Tensor:
-    """[3, slots * chunks] int64: per batch entry (slot s, chunk c) the byte offsets that do not depend on the call's
-    routing or addresses: c's rows in the expert's matrix, x's row s // rows_per_x, out's row s and c's rows in it."""
-    entry = torch.arange(slots * chunks, device=device, dtype=torch.int64)
-    slot, chunk = torch.div(entry, chunks, rounding_mode="floor"), entry.remainder(chunks)
-    return torch.stack((chunk * matrix_chunk_bytes, torch.div(slot, rows_per_x, rounding_mode="floor") * x_row_bytes,
-                        slot * out_row_bytes + chunk * out_chunk_bytes))
+def _offsets(slots: int, rows_per_x: int, x_row_bytes: int, out_row_bytes: int, device: torch.device) -> torch.Tensor:
+    """[3, slots] int64: per batch entry (slot s) the byte offsets that do not depend on the call's routing or
+    addresses: none in the expert's matrix, x's row s // rows_per_x, out's row s."""
+    slot = torch.arange(slots, device=device, dtype=torch.int64)
+    return torch.stack((torch.zeros_like(slot), torch.div(slot, rows_per_x, rounding_mode="floor") * x_row_bytes,
+                        slot * out_row_bytes))
 
 
 class _PointerArray:
-    """The pointer array [3, slots * chunks] of one signature and stream, with its fixed offsets (``_offsets``) and
-    the x and out addresses its rows were last filled for: a later call of the signature rewrites the matrices' row
-    (its routing) and only the rows whose address changed. Every write and every cuBLAS call that reads the array is
-    on that one stream, in call order, so a rewrite never overtakes an earlier call's read."""
+    """The pointer array [3, slots] of one signature and stream, with its fixed offsets (``_offsets``) and the x and
+    out addresses its rows were last filled for: a later call of the signature rewrites the matrices' row (its
+    routing) and only the rows whose address changed. Every write and every cuBLAS call that reads the array is on
+    that one stream, in call order, so a rewrite never overtakes an earlier call's read."""
 
-    def __init__(self, offsets: torch.Tensor, slots: int, chunks: int):
+    def __init__(self, offsets: torch.Tensor):
         self.pointers = torch.empty_like(offsets)
-        (matrix_offsets, self.x_offsets, self.out_offsets), rows = offsets.unbind(), self.pointers.unbind()
-        self.matrix_offsets, self.matrices = matrix_offsets.view(slots, chunks), rows[0].view(slots, chunks)
-        self.matrices_row, self.vectors, self.outputs = rows
+        (self.matrix_offsets, self.x_offsets, self.out_offsets) = offsets.unbind()
+        self.matrices, self.vectors, self.outputs = self.pointers.unbind()
         self.x_address = self.out_address = None
 
     def fill(self, table: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        torch.add(self.matrix_offsets, ids.view(-1, 1), alpha=table.stride(0) * table.element_size(),
-                  out=self.matrices)
-        self.matrices_row.add_(table.data_ptr())
+        # int64 offsets first: the products of int32 ids and the expert size would overflow in int32
+        torch.add(self.matrix_offsets, ids, alpha=table.stride(0) * table.element_size(), out=self.matrices)
+        self.matrices.add_(table.data_ptr())
         if x.data_ptr() != self.x_address:
             torch.add(self.x_offsets, x.data_ptr(), out=self.vectors)
             self.x_address = x.data_ptr()
@@ -175,29 +160,33 @@ def _pointer_kernel():
 
 
 def _own_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, out: torch.Tensor,
-                  key: tuple) -> torch.Tensor | None:
-    """A pointer array of the call's own by one Triton kernel launch (None without triton)."""
-    launch = _pointer_kernel()
-    if launch is None:
-        return None
-    slots, chunks, matrix_chunk_bytes, out_chunk_bytes, x_row_bytes, out_row_bytes = (key[0], *key[2:7])
-    pointers = torch.empty(3, slots * chunks, dtype=torch.int64, device=x.device)
-    launch(ids, ids.stride(0), pointers, chunks, rows_per_x, table.data_ptr(), table.stride(0) * x.element_size(),
-           matrix_chunk_bytes, x.data_ptr(), x_row_bytes, out.data_ptr(), out_row_bytes, out_chunk_bytes)
-    return pointers
+                  order: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+    """A pointer array of the call's own: one Triton kernel launch where ``kernel`` and triton is there, else a few
+    small ops."""
+    size = x.element_size()
+    expert_bytes, x_row_bytes, out_row_bytes = table.stride(0) * size, x.stride(0) * size, out.stride(0) * size
+    launch = _pointer_kernel() if kernel else None
+    if launch is not None:
+        pointers = torch.empty(3, ids.shape[0], dtype=torch.int64, device=x.device)
+        launch(ids, ids.stride(0), order, pointers, rows_per_x, table.data_ptr(), expert_bytes, x.data_ptr(),
+               x_row_bytes, out.data_ptr(), out_row_bytes)
+        return pointers
+    if order is None:
+        return _PointerArray(_offsets(ids.shape[0], rows_per_x, x_row_bytes, out_row_bytes, x.device)).fill(
+            table, ids, x, out)
+    slot = order.to(torch.int64)
+    return torch.stack((ids.index_select(0, order).to(torch.int64) * expert_bytes + table.data_ptr(),
+                        torch.div(slot, rows_per_x, rounding_mode="floor") * x_row_bytes + x.data_ptr(),
+                        slot * out_row_bytes + out.data_ptr()))
 
 
-def _pointer_array(key: tuple, slots: int, chunks: int, keep: bool) -> _PointerArray:
-    """The pointer array of ``key`` (``_offsets``' arguments), kept per stream for later calls where ``keep``.
-    Inside a CUDA graph capture it is made afresh (the graph's own memory, alive as long as the graph)."""
+def _kept_array(key: tuple) -> _PointerArray:
+    """The pointer array of ``key`` (``_offsets``' arguments) kept for this stream, made at its first call."""
     device = key[-1]
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not keep or capturing:
-        return _PointerArray(_offsets(*key), slots, chunks)
     full = key + ((torch.cuda.current_stream(device).cuda_stream,) if device.type == "cuda" else ())
     array = _KEPT.get(full)
     if array is None:
-        array = _KEPT[full] = _PointerArray(_offsets(*key), slots, chunks)
+        array = _KEPT[full] = _PointerArray(_offsets(*key))
         if len(_KEPT) > MAX_KEPT:
             _KEPT.popitem(last=False)
     else:
@@ -206,25 +195,28 @@ def _pointer_array(key: tuple, slots: int, chunks: int, keep: bool) -> _PointerA
 
 
 def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, out: torch.Tensor,
-                  rows: int | None = None, keep: bool = True) -> torch.Tensor:
-    """[3, S * chunks] int64 on the device: per batch entry (slot s, chunk c of ``rows`` rows; one chunk of N rows by
-    default) the address in bytes of its rows of ``table[ids[s]]``, of ``x[s // rows_per_x]`` and of its rows of
-    ``out[s]``. With ``keep`` (and outside ``own_arrays``), the array is kept for the next call of the signature on
-    this stream (which rewrites it: read it before then); a call then costs two small ops where x and out have the
-    addresses of the last one. Otherwise the call gets an array of its own from one Triton kernel (made by eleven
-    small ops without triton, and inside a CUDA graph capture outside ``own_arrays``, where the kernel may not be
-    compiled yet)."""
-    slots, size = ids.shape[0], x.element_size()
-    rows = table.shape[1] if rows is None else rows
-    chunks = table.shape[1] // rows
-    key = (slots, rows_per_x, chunks, rows * table.stride(1) * size, rows * size, x.stride(0) * size,
-           out.stride(0) * size, x.device)
-    keep = keep and not _OWN_ARRAYS[0]
-    if not keep:
-        pointers = _own_pointers(x, table, ids, rows_per_x, out, key)
-        if pointers is not None:
-            return pointers
-    return _pointer_array(key, slots, chunks, keep).fill(table, ids, x, out)
+                  keep: bool = True, order: torch.Tensor | None = None) -> torch.Tensor:
+    """[3, S] int64 on the device: per batch entry b, computing slot s = ``order[b]`` (s = b without ``order``), the
+    address in bytes of ``table[ids[s]]``, of ``x[s // rows_per_x]`` and of ``out[s]``. With ``keep``, without
+    ``order``, outside ``own_arrays`` and outside a CUDA graph capture, the array is kept for the next call of the
+    signature on this stream (which rewrites it: read it before then); a call then costs two small ops where x and
+    out have the addresses of the last one. Otherwise the call gets an array of its own from one Triton kernel (from
+    a few small ops without triton)."""
+    size, device = x.element_size(), x.device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if keep and order is None and not _OWN_ARRAYS[0] and not capturing:
+        key = (ids.shape[0], rows_per_x, x.stride(0) * size, out.stride(0) * size, device)
+        return _kept_array(key).fill(table, ids, x, out)
+    # an eager call inside a capture of the caller's takes the small ops: the kernel may not be compiled yet
+    return _own_pointers(x, table, ids, rows_per_x, out, order, kernel=not (keep and capturing and not _OWN_ARRAYS[0]))
+
+
+def expert_order(ids: torch.Tensor) -> torch.Tensor | None:
+    """The slots in expert order (a stable sort of ``ids``: the ``order`` of ``products``) where a call of
+    ``ids.shape[0]`` slots runs its batch entries so (from ``ORDERED_FROM_SLOTS`` slots), else None."""
+    if ids.shape[0] < ORDERED_FROM_SLOTS:
+        return None
+    return torch.sort(ids, stable=True)[1]
 
 
 def _compute_type(dtype: torch.dtype) -> int:
@@ -243,31 +235,31 @@ def gemm_arguments(table: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1,
-             rows: int | None = None) -> torch.Tensor:
+             order: torch.Tensor | None = None) -> torch.Tensor:
     """out[s] = table[ids[s]] @ x[s // rows_per_x] for every slot s ([S', K], [E, N, K], [S] -> [S, N], x's dtype),
-    each slot's weights read in place by one cuBLAS batched GEMM (see ``applies``), a batch entry per ``rows`` rows
-    of a slot's output (``chunk_rows`` by default). Under torch.compile through the opaque op
-    ``moe_torch::slot_products`` (the compiler cannot trace the cuBLAS call; a CUDA graph captures it); in eager
-    mode without the op's dispatch cost (decode is host-bound)."""
+    each slot's weights read in place by one cuBLAS batched GEMM (see ``applies``), a batch entry per slot, in the
+    slot order ``order`` gives where given (``expert_order``; the same bits either way). Under torch.compile through
+    the opaque op ``moe_torch::slot_products`` (the compiler cannot trace the cuBLAS call; a CUDA graph captures it);
+    in eager mode without the op's dispatch cost (decode is host-bound)."""
     if torch.compiler.is_compiling():
-        return _slot_products_op(x, table, ids, rows_per_x, rows)
-    return _products(x, table, ids, rows_per_x, rows, keep=True)
+        return _slot_products_op(x, table, ids, rows_per_x, order)
+    return _products(x, table, ids, rows_per_x, order, keep=True)
 
 
 @torch.library.custom_op("moe_torch::slot_products", mutates_args=())
 def _slot_products_op(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int,
-                      rows: int | None) -> torch.Tensor:
+                      order: torch.Tensor | None) -> torch.Tensor:
     """``products`` for compiled graphs. The compiler decides the addresses (and may lay out x otherwise than it
     traced): where they do not suit cuBLAS, the same products from the gathered weights. Its pointer arrays are
     not kept: a graph of torch.compile's CUDA-graph modes must own every tensor made in its pool, also in the
     warm-up runs it makes there without capturing."""
     if _laid_out(x, table) and _addresses_aligned(x, table):
-        return _products(x, table, ids, rows_per_x, rows, keep=False)
+        return _products(x, table, ids, rows_per_x, order, keep=False)
     return gathered_products(x, table, ids, rows_per_x)
 
 
 @_slot_products_op.register_fake
-def _(x, table, ids, rows_per_x, rows):
+def _(x, table, ids, rows_per_x, order):
     return x.new_empty(ids.shape[0], table.shape[1])
 
 
@@ -277,7 +269,7 @@ def gathered_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, r
     return torch.bmm(table[ids], x_rows.unsqueeze(2)).squeeze(2)
 
 
-def _products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, rows: int | None,
+def _products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_x: int, order: torch.Tensor | None,
               keep: bool) -> torch.Tensor:
     slots = ids.shape[0]
     out = x.new_empty(slots, table.shape[1])
@@ -285,19 +277,18 @@ def _products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_per_
         return out
     if table.shape[2] == 0:
         return out.zero_()
-    rows = chunk_rows(slots, table) if rows is None else rows
-    pointers = slot_pointers(x, table, ids, rows_per_x, out, rows, keep)
-    transa, _, k, lda = gemm_arguments(table)
-    cuda_type, batch = _CUDA_TYPE[x.dtype], pointers.shape[1]
+    pointers = slot_pointers(x, table, ids, rows_per_x, out, keep, order)
+    transa, m, k, lda = gemm_arguments(table)
+    cuda_type = _CUDA_TYPE[x.dtype]
     matrices = pointers.data_ptr()  # the three rows of pointers: matrices, vectors, outputs
-    vectors, outputs = matrices + 8 * batch, matrices + 16 * batch
+    vectors, outputs = matrices + 8 * slots, matrices + 16 * slots
     with _on(x.device):
-        status = _gemm_batched()(_blas_handle(), transa, _OP_N, rows, 1, k, _ONE, matrices, cuda_type, lda, vectors,
-                                 cuda_type, k, _ZERO, outputs, cuda_type, rows, batch, _compute_type(x.dtype),
+        status = _gemm_batched()(_blas_handle(), transa, _OP_N, m, 1, k, _ONE, matrices, cuda_type, lda, vectors,
+                                 cuda_type, k, _ZERO, outputs, cuda_type, m, slots, _compute_type(x.dtype),
                                  _GEMM_DEFAULT)
     if status != 0:
-        raise RuntimeError(f"moe_torch.slot_blas: cublasGemmBatchedEx returned status {status} (m={rows}, k={k}, "
-                           f"lda={lda}, batch={batch}, dtype={x.dtype})")
+        raise RuntimeError(f"moe_torch.slot_blas: cublasGemmBatchedEx returned status {status} (m={m}, k={k}, "
+                           f"lda={lda}, batch={slots}, dtype={x.dtype})")
     return out
 
 

@@ -4,14 +4,17 @@
 
 - correctness: ``slot_blas.products`` against float64 per slot (float32, bfloat16, float16; row- and
   column-contiguous weights; one and four slots per row of x) within the tolerance table, and against the gathered
-  way (``table[ids]`` and torch.bmm) on the qwen3-30b-a3b shape; two calls give the same bits;
-- time, qwen3-30b-a3b, bf16, T = 1..64: each projection's products alone in a CUDA graph (device time only) with a
-  batch entry per slot's whole output and per chunk of it (``rows``), and gathered; the host time of the products
+  way (``table[ids]`` and torch.bmm) on the qwen3-30b-a3b shape; two calls give the same bits, and so do the batch
+  entries in expert order;
+- time, qwen3-30b-a3b, bf16, T = 1..64: each projection's products alone in a CUDA graph (device time only) with the
+  batch entries in slot order and in expert order (its sort included), and gathered; the host time of the products
   and of their pointer arrays alone; batched_mm's whole forward (device_decode_profile's timer: CUDA events around
-  one call, host time) with the slot products and gathered (no decode graphs), with its decode graph, and
-  transformers' batched_mm; forward+backward with the slot products and gathered;
-- compiled (mode default): batched_mm through the op moe_torch::slot_products and gathered, and transformers'
-  batched_mm, device time per call in a CUDA graph; the op's calls counted; a compiled training step's gradients.
+  one call, host time) with the slot products (expert order from ``slot_blas.ORDERED_FROM_SLOTS``, and slot order
+  always) and gathered (no decode graphs), with its decode graph, and transformers' batched_mm; forward+backward
+  likewise;
+- compiled (mode default): batched_mm through the op moe_torch::slot_products (expert order from the threshold, and
+  slot order always) and gathered, and transformers' batched_mm, device time per call in a CUDA graph; the op's
+  calls counted; a compiled training step's gradients.
 Writes DIR/batched-slots.json; prints each check and a table.
 """
 
@@ -51,6 +54,16 @@ def graph_ms(call, calls: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return sorted(times)[len(times) // 2]
+
+
+class SlotOrder:
+    """batched_mm's slot products with their batch entries in slot order at every size."""
+
+    def __enter__(self):
+        self.ordered_from, slot_blas.ORDERED_FROM_SLOTS = slot_blas.ORDERED_FROM_SLOTS, 1 << 62
+
+    def __exit__(self, *exc):
+        slot_blas.ORDERED_FROM_SLOTS = self.ordered_from
 
 
 class Gathered:
@@ -98,11 +111,10 @@ def main() -> None:
                                     for s, e in enumerate(ids.tolist())])
                 err = relative_l2(out.double().cpu().numpy(), want.cpu().numpy())
                 again = slot_blas.products(x, table, ids, rows_per_x)
-                chunked = slot_blas.products(x, table, ids, rows_per_x, rows=16)
-                err_chunked = relative_l2(chunked.double().cpu().numpy(), want.cpu().numpy())
-                check(f"{name} {layout} rows_per_x={rows_per_x}: float64 within tolerance (also in chunks of 16 "
-                      f"rows), same bits again", applies and max(err, err_chunked) <= TOLERANCE[name]
-                      and torch.equal(out, again), rel_l2=err, chunked_rel_l2=err_chunked)
+                ordered = slot_blas.products(x, table, ids, rows_per_x, order=torch.sort(ids, stable=True)[1])
+                check(f"{name} {layout} rows_per_x={rows_per_x}: float64 within tolerance, same bits again and "
+                      f"in expert order", applies and err <= TOLERANCE[name] and torch.equal(out, again)
+                      and torch.equal(out, ordered), rel_l2=err)
 
     def write() -> dict:
         result = {
@@ -118,16 +130,18 @@ def main() -> None:
 
     gate_up, down = device_decode_profile.qwen3_weights(device)
     theirs = transformers_peer("batched_mm")(E, H, I)
-    for T in (1, 4, 8, 16, 64):
+    for T in (1, 2, 4, 8, 16, 64):
         x = torch.randn(T, H, device=device, generator=g).bfloat16()
         w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device, generator=g), -1), K, -1)
         w = w.bfloat16()
         ids = idx.reshape(-1)
+        order = torch.sort(ids, stable=True)[1]
         reference = slot_blas.gathered_products(x, gate_up, ids, K).float().cpu().numpy()
-        err = relative_l2(slot_blas.products(x, gate_up, ids, K).float().cpu().numpy(), reference)
-        err_chunked = relative_l2(slot_blas.products(x, gate_up, ids, K, rows=96).float().cpu().numpy(), reference)
-        check(f"T={T}: gate/up slot products (whole and in chunks of 96 rows) against gathered bmm",
-              max(err, err_chunked) <= TOLERANCE["bfloat16"], rel_l2=err, chunked_rel_l2=err_chunked)
+        plain = slot_blas.products(x, gate_up, ids, K)
+        err = relative_l2(plain.float().cpu().numpy(), reference)
+        check(f"T={T}: gate/up slot products against gathered bmm, the same bits in expert order",
+              err <= TOLERANCE["bfloat16"] and torch.equal(plain, slot_blas.products(x, gate_up, ids, K, order=order)),
+              rel_l2=err)
 
         def forward():
             return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="batched_mm")
@@ -142,22 +156,29 @@ def main() -> None:
         a = torch.randn(T * K, I, device=device, generator=g).bfloat16()
         with torch.no_grad():
             for name, table, rows_x, vectors in (("gate_up", gate_up, K, x), ("down", down, 1, a)):
-                for rows in sorted({table.shape[1] >> s for s in range(6)} | {slot_blas.chunk_rows(T * K, table)},
-                                   reverse=True):
-                    row[f"{name} rows={rows} device"] = graph_ms(
-                        lambda: slot_blas.products(vectors, table, ids, rows_x, rows=rows))
+                row[f"{name} slot order device"] = graph_ms(lambda: slot_blas.products(vectors, table, ids, rows_x))
+                row[f"{name} expert order device"] = graph_ms(lambda: slot_blas.products(
+                    vectors, table, ids, rows_x, order=torch.sort(ids, stable=True)[1]))
                 if T <= 64:  # a graph of gathers keeps every call's copy: 20 x 19 GB at T=256
                     row[f"{name} gathered device"] = graph_ms(lambda: slot_blas.gathered_products(vectors, table, ids, rows_x))
             call = device_decode_profile.timed(lambda: slot_blas.products(x, gate_up, ids, K))
             row["gate_up products: launch host, whole host"] = [call[2], call[1]]
+            call = device_decode_profile.timed(lambda: slot_blas.products(
+                x, gate_up, ids, K, order=torch.sort(ids, stable=True)[1]))
+            row["gate_up products in expert order with its sort: launch host, whole host"] = [call[2], call[1]]
             out = torch.empty(T * K, 2 * I, device=device, dtype=torch.bfloat16)
             row["gate_up pointers: launch host"] = device_decode_profile.timed(
-                lambda: slot_blas.slot_pointers(x, gate_up, ids, K, out, 96))[2]
+                lambda: slot_blas.slot_pointers(x, gate_up, ids, K, out))[2]
             with graphs("off"):
                 row["forward slots"] = device_decode_profile.timed(forward)
+                with SlotOrder():
+                    row["forward slots, slot order"] = device_decode_profile.timed(forward)
                 with Gathered():
                     row["forward gathered"] = device_decode_profile.timed(forward)
             row["forward slots, decode graph"] = device_decode_profile.timed(forward)
+            with SlotOrder():
+                row["forward slots, decode graph, slot order"] = device_decode_profile.timed(forward)
+            moe_torch.graphs.release()
             row["transformers batched_mm"] = device_decode_profile.timed(lambda: theirs(x, idx, w, gate_up, down))
         leaves = [t.detach().requires_grad_() for t in (x, w, gate_up, down)]
 
@@ -166,6 +187,8 @@ def main() -> None:
                                             implementation="batched_mm")
             torch.autograd.grad(out, leaves, torch.ones_like(out))
         row["fwd+bwd slots"] = device_decode_profile.timed(step, rounds=3, calls=10)
+        with SlotOrder():
+            row["fwd+bwd slots, slot order"] = device_decode_profile.timed(step, rounds=3, calls=10)
         with Gathered():
             row["fwd+bwd gathered"] = device_decode_profile.timed(step, rounds=3, calls=10)
         timings[f"T={T}"] = row
@@ -192,7 +215,7 @@ def compiled_timings(g, gate_up, down, theirs, check, timings, write) -> None:
 
     slot_blas._products = counted
     device = gate_up.device
-    for T in (1, 4, 8, 64):
+    for T in (1, 4, 8, 16, 64):
         x = torch.randn(T, H, device=device, generator=g).bfloat16()
         w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device, generator=g), -1), K, -1)
         w = w.bfloat16()
@@ -211,6 +234,13 @@ def compiled_timings(g, gate_up, down, theirs, check, timings, write) -> None:
             check(f"T={T}: compiled batched_mm runs moe_torch::slot_products (2 calls) and agrees with eager",
                   len(ran) - before == 2 and err <= TOLERANCE["bfloat16"], rel_l2=err, op_calls=len(ran) - before)
             row["compiled slots device"] = graph_ms(lambda: compiled(*args))
+            torch._dynamo.reset()
+            with SlotOrder():
+                slot_ordered = torch.compile(lambda *a: ours(*a), dynamic=False, fullgraph=True)
+                slot_ordered_out = slot_ordered(*args)
+                check(f"T={T}: compiled batched_mm, the same bits in slot order and expert order",
+                      torch.equal(slot_ordered_out, out))
+                row["compiled slots, slot order device"] = graph_ms(lambda: slot_ordered(*args))
             with Gathered():
                 gathered_compiled = torch.compile(lambda *a: ours(*a), dynamic=False, fullgraph=True)
                 row["compiled gathered device"] = graph_ms(lambda: gathered_compiled(*args))

@@ -33,7 +33,7 @@ class FakeGemmBatched:
     address its pointer array holds; records each call's arguments."""
 
     def __init__(self, status: int = 0):
-        self.calls, self.status = [], status
+        self.calls, self.pointers, self.status = [], [], status
 
     def __call__(self, handle, transa, transb, m, n, k, alpha, a_array, a_type, lda, b_array, b_type, ldb, beta,
                  c_array, c_type, ldc, batch, compute, algo):
@@ -46,6 +46,7 @@ class FakeGemmBatched:
         alpha_value = ctypes.cast(alpha, ctypes.POINTER(ctypes.c_float)).contents.value
         beta_value = ctypes.cast(beta, ctypes.POINTER(ctypes.c_float)).contents.value
         pointers = [(ctypes.c_int64 * batch).from_address(array) for array in (a_array, b_array, c_array)]
+        self.pointers.append([list(row) for row in pointers])
         for b in range(batch):
             # column-major: element (i, j) at i + j * ld
             a = _view(pointers[0][b], dtype, (k, m) if transa else (m, k), (1, lda)).double()
@@ -90,33 +91,28 @@ def test_products_read_each_slots_expert_in_place(fake, dtype, layout, rows_per_
 
 
 @pytest.mark.parametrize("layout", ["rows", "columns"])
-@pytest.mark.parametrize("rows", [8, 12])
-def test_products_in_row_chunks(fake, layout, rows):
+def test_products_in_expert_order_are_the_same_bits(fake, layout):
+    """Batch entries in expert order: each entry still reads its slot's expert and x row and writes its slot's
+    row, so the output is bit for bit the slot-ordered one; the call's matrix pointers go in expert order."""
     g = torch.Generator().manual_seed(1)
-    table = torch.randn(5, 24, 40, generator=g)
+    table = torch.randn(5, 24, 40, generator=g).bfloat16()
     if layout == "columns":
-        table = torch.randn(5, 40, 24, generator=g).transpose(1, 2)
-    x, ids = torch.randn(3, 40, generator=g), torch.tensor([4, 0, 0, 2, 1, 4])
-    out = slot_blas.products(x, table, ids, 2, rows=rows)
-    expected = torch.stack([table[e].double() @ x[s // 2].double() for s, e in enumerate(ids.tolist())])
-    assert_close("out", out.double().numpy(), expected.numpy(), "float32")
-    (call,) = fake.calls
-    assert call["batch"] == 6 * 24 // rows and call["m"] == rows
+        table = torch.randn(5, 40, 24, generator=g).bfloat16().transpose(1, 2)
+    x, ids = torch.randn(3, 40, generator=g).bfloat16(), torch.tensor([4, 0, 0, 2, 1, 4])
+    plain = slot_blas.products(x, table, ids, 2)
+    order = torch.sort(ids, stable=True)[1]
+    ordered = slot_blas.products(x, table, ids, 2, order=order)
+    assert torch.equal(ordered, plain)
+    assert [call["batch"] for call in fake.calls] == [6, 6]
+    matrices = fake.pointers[-1][0]
+    assert matrices == [table[e].data_ptr() for e in sorted(ids.tolist())]
 
 
-def test_chunk_rows_spread_few_slots_in_aligned_halves(monkeypatch):
-    monkeypatch.setattr(slot_blas, "ENTRIES_WANTED", 256)
-    monkeypatch.setattr(slot_blas, "MIN_CHUNK_ROWS", 64)
-    gate_up = torch.empty(4, 1536, 2048, dtype=torch.bfloat16)
-    assert slot_blas.chunk_rows(8, gate_up) == 96  # 8 slots x 16 chunks: 48 rows would be under the fewest
-    assert slot_blas.chunk_rows(32, gate_up) == 192  # 32 x 8 = 256
-    assert slot_blas.chunk_rows(256, gate_up) == 1536  # enough slots: whole matrices
-    assert slot_blas.chunk_rows(8, torch.empty(4, 1552, 2048, dtype=torch.bfloat16)) == 776  # 388 rows: 776 bytes
-    assert slot_blas.chunk_rows(8, torch.empty(4, 1536, 2048, dtype=torch.bfloat16).transpose(1, 2)) == 64  # 8 x 32
-
-
-def test_by_default_a_batch_entry_per_slot():
-    assert slot_blas.chunk_rows(1, torch.empty(4, 1536, 2048, dtype=torch.bfloat16)) == 1536
+def test_expert_order_from_the_threshold(monkeypatch):
+    monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS", 4)
+    assert slot_blas.expert_order(torch.tensor([3, 1, 2])) is None
+    ids = torch.tensor([3, 1, 3, 0, 1])
+    assert slot_blas.expert_order(ids).tolist() == [3, 1, 4, 0, 2]  # stable: equal experts keep slot order
 
 
 def test_slot_pointers_take_strided_routing_ids():
@@ -134,11 +130,11 @@ def test_slot_pointers_name_each_slots_matrix_vector_and_output():
     assert pointers[0].tolist() == [table[e].data_ptr() for e in ids.tolist()]
     assert pointers[1].tolist() == [x[s // 2].data_ptr() for s in range(6)]
     assert pointers[2].tolist() == [out[s].data_ptr() for s in range(6)]
-    chunked = slot_blas.slot_pointers(x, table, ids, 2, out, rows=2)  # four chunks of two rows per slot
-    assert chunked.shape == (3, 24)
-    assert chunked[0].tolist() == [table[e, c:].data_ptr() for e in ids.tolist() for c in range(0, 8, 2)]
-    assert chunked[1].tolist() == [x[s // 2].data_ptr() for s in range(6) for _ in range(4)]
-    assert chunked[2].tolist() == [out[s, c:].data_ptr() for s in range(6) for c in range(0, 8, 2)]
+    order = torch.tensor([1, 4, 0, 5, 2, 3])  # entry b computes slot order[b]
+    ordered = slot_blas.slot_pointers(x, table, ids, 2, out, order=order)
+    assert ordered[0].tolist() == [table[ids[s]].data_ptr() for s in order.tolist()]
+    assert ordered[1].tolist() == [x[s // 2].data_ptr() for s in order.tolist()]
+    assert ordered[2].tolist() == [out[s].data_ptr() for s in order.tolist()]
     again = torch.empty(6, 8)  # the kept array, rewritten for the new call's addresses
     assert slot_blas.slot_pointers(x, table, ids, 2, again)[2].tolist() == [again[s].data_ptr() for s in range(6)]
 
@@ -221,20 +217,24 @@ def _aligned(case) -> bool:
     return case.H % 8 == 0 and case.I % 8 == 0
 
 
-@pytest.mark.parametrize("min_rows", [64, 8])
+@pytest.mark.parametrize("ordered_from", [1, 10**9], ids=["expert-order", "slot-order"])
 @pytest.mark.parametrize("case", [c for c in CASES if _aligned(c)], ids=case_id)
-def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case, min_rows):
+def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case, ordered_from):
     """batched_mm with its per-slot products on the stand-in: forward and gradients within the tolerance table,
-    and both projections' forward products made there (one batched call each)."""
-    monkeypatch.setattr(slot_blas, "ENTRIES_WANTED", 256)
-    monkeypatch.setattr(slot_blas, "MIN_CHUNK_ROWS", min_rows)  # 8: each slot's rows in chunks of 8
+    both projections' forward products made there (one batched call each), their batch entries in expert order
+    from ORDERED_FROM_SLOTS slots on (training and inference)."""
+    monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS", ordered_from)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     tensors = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in case.inputs.items()}
     tensors = {n: t if n == "top_k_index" else t.to(dtypes[case.dtype]).requires_grad_() for n, t in tensors.items()}
     out = moe_torch.experts_forward(**tensors, implementation="batched_mm", activation=case.activation)
     assert_close("out", out.detach().float().numpy(), case.expected["out"], case.dtype)
     assert len(fake.calls) == (2 if case.T else 0)
-    assert all(call["m"] == (8 if min_rows == 8 else 16) for call in fake.calls)
+    E = tensors["down_proj"].shape[0]
+    ids = tensors["top_k_index"].reshape(-1).clamp(0, E - 1).tolist()
+    entry_experts = sorted(ids) if ordered_from == 1 else ids
+    for (matrices, _, _), table in zip(fake.pointers, (tensors["gate_up_proj"], tensors["down_proj"])):
+        assert _experts_of(matrices, table) == entry_experts
     out.backward(torch.from_numpy(case.grad_output).to(dtypes[case.dtype]))
     after_backward = len(fake.calls)
     for name in DIFF_ARGS:
@@ -246,6 +246,13 @@ def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case,
         again = moe_torch.experts_forward(**tensors, implementation="batched_mm", activation=case.activation)
     assert torch.equal(again, out.detach())
     assert len(fake.calls) == after_backward + (2 if case.T else 0)
+    for (matrices, _, _), table in zip(fake.pointers[after_backward:], (tensors["gate_up_proj"], tensors["down_proj"])):
+        assert _experts_of(matrices, table) == entry_experts
+
+
+def _experts_of(matrices: list[int], table: torch.Tensor) -> list[int]:
+    """The expert of each matrix address of a pointer array over ``table``."""
+    return [(address - table.data_ptr()) // (table.stride(0) * table.element_size()) for address in matrices]
 
 
 def test_compiled_batched_mm_runs_the_slot_products_op(fake, monkeypatch):
@@ -309,19 +316,22 @@ def test_slot_products_op_gathers_where_addresses_do_not_suit_cublas(fake):
 def test_own_pointer_arrays_name_the_same_addresses(monkeypatch, kernel, index_dtype):
     """Inside own_arrays() (a decode graph's warm-up and capture) and for the compiled op, a call gets an array of its
     own, by one Triton kernel (here under the interpreter) or, without triton, by the small ops: the same addresses
-    as the kept array, for chunks, several slots per row of x and strided routing ids."""
+    as the kept array, for several slots per row of x and strided routing ids; in expert order, the same addresses
+    taken in that order."""
     if kernel == "without triton":
         monkeypatch.setattr(slot_blas, "_pointer_kernel", lambda: None)
-    table, x, out = torch.zeros(5, 8, 16), torch.zeros(3, 16), torch.empty(6, 8)
+    table, x, out = torch.zeros(5, 8, 16), torch.zeros(6, 16), torch.empty(6, 8)
     ids = torch.tensor([[2, 9], [0, 9], [4, 9], [4, 9], [1, 9], [3, 9]], dtype=index_dtype)[:, 0]
-    for rows, rows_per_x in ((8, 2), (2, 2), (4, 3)):
-        kept = slot_blas.slot_pointers(x, table, ids, rows_per_x, out, rows).clone()
+    order = torch.sort(ids, stable=True)[1].to(index_dtype)
+    for rows_per_x in (1, 2, 3):
+        kept = slot_blas.slot_pointers(x, table, ids, rows_per_x, out).clone()
         with slot_blas.own_arrays():
-            own = slot_blas.slot_pointers(x, table, ids, rows_per_x, out, rows)
-        fresh = slot_blas.slot_pointers(x, table, ids, rows_per_x, out, rows, keep=False)
-        chunks = 8 // rows
-        assert kept[0].tolist() == [table[e, c:].data_ptr() for e in ids.tolist() for c in range(0, 8, rows)]
-        assert kept[1].tolist() == [x[s // rows_per_x].data_ptr() for s in range(6) for _ in range(chunks)]
+            own = slot_blas.slot_pointers(x, table, ids, rows_per_x, out)
+        fresh = slot_blas.slot_pointers(x, table, ids, rows_per_x, out, keep=False)
+        ordered = slot_blas.slot_pointers(x, table, ids, rows_per_x, out, order=order)
+        assert kept[0].tolist() == [table[e].data_ptr() for e in ids.tolist()]
+        assert kept[1].tolist() == [x[s // rows_per_x].data_ptr() for s in range(6)]
         assert torch.equal(own, kept) and torch.equal(fresh, kept)
+        assert torch.equal(ordered, kept[:, order.long()])
         assert own.data_ptr() != fresh.data_ptr() and not any(
             array.pointers.data_ptr() in (own.data_ptr(), fresh.data_ptr()) for array in slot_blas._KEPT.values())

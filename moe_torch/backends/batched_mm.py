@@ -48,8 +48,10 @@ def _in_place(table: torch.Tensor) -> bool:
     return table.device.type in IN_PLACE_DEVICES and not torch.compiler.is_compiling()
 
 
-def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transpose: bool = False):
-    """out[s] = table[ids[s]] @ x[s] ([E, N, K], [S, K] -> [S, N]); ``transpose``: table[ids[s]].T @ x[s]."""
+def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transpose: bool = False,
+                   order: torch.Tensor | None = None):
+    """out[s] = table[ids[s]] @ x[s] ([E, N, K], [S, K] -> [S, N]); ``transpose``: table[ids[s]].T @ x[s].
+    ``order``: the slots in expert order where slot_blas runs its batch entries so (``_entry_order``)."""
     if _in_place(table):
         if not transpose and expert_rows.applies(x, table):
             return _rows_on_kernel(x, table, ids, slots_per_row=1)
@@ -59,7 +61,7 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
         return out
     matrices = table.transpose(1, 2) if transpose else table
     if slot_blas.applies(x, matrices):
-        return slot_blas.products(x, matrices, ids)
+        return slot_blas.products(x, matrices, ids, order=order)
     chunks = _chunks(x.shape[0], table)
     if chunks is None:  # one gather, one bmm, no slicing: the fewest ops per call (decode is host-bound)
         return (torch.bmm(x.unsqueeze(1), table[ids]).squeeze(1) if transpose
@@ -112,6 +114,15 @@ def _linear_grads(grad: torch.Tensor, sorted_x: torch.Tensor | None, table: torc
     return grad_x, grad_table
 
 
+def _entry_order(ids: torch.Tensor, x: torch.Tensor, table: torch.Tensor,
+                 known: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The slots in expert order for slot_blas's batch entries where its products run and order them
+    (``slot_blas.ORDERED_FROM_SLOTS``), else None; ``known``: a stable sort's order of ``ids`` made already."""
+    if ids.shape[0] < slot_blas.ORDERED_FROM_SLOTS or not slot_blas.applies(x, table):
+        return None
+    return slot_blas.expert_order(ids) if known is None else known
+
+
 def _needs_sort(device: torch.device, need_input: bool, need_table: bool) -> bool:
     return need_table or (need_input and device.type in SORTED_INPUT_GRAD)
 
@@ -122,7 +133,7 @@ class _SlotLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, table, ids, order, offs):
         ctx.save_for_backward(x, table, ids, order, offs)
-        return _slot_products(x, table, ids)
+        return _slot_products(x, table, ids, order=_entry_order(ids, x, table, order))
 
     @staticmethod
     def backward(ctx, grad):
@@ -134,24 +145,26 @@ class _SlotLinear(torch.autograd.Function):
         return *_linear_grads(grad, sorted_x, table, ids, slots, need_input, need_table), None, None, None
 
 
-def _slot_linear(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, sorted_slots) -> torch.Tensor:
-    """``sorted_slots``: (order, offs) of the slots sorted by expert, made once for both projections' backward."""
+def _slot_linear(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, sorted_slots,
+                 order: torch.Tensor | None) -> torch.Tensor:
+    """``sorted_slots``: (order, offs) of the slots sorted by expert, made once for both projections' backward;
+    ``order``: the slots in expert order for slot_blas (``_entry_order``) where nothing is differentiated."""
     if takes_grad(x, table):
         return _SlotLinear.apply(x, table, ids, *sorted_slots)
-    return _slot_products(x, table, ids)
+    return _slot_products(x, table, ids, order=order)
 
 
-def _first_projection(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slots: Slots,
-                      sorted_slots) -> torch.Tensor:
+def _first_projection(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slots: Slots, sorted_slots,
+                      order: torch.Tensor | None) -> torch.Tensor:
     """table[ids[s]] @ x[s // k] for every slot s; differentiated through a row per slot, whose gradient sums a
-    token's k slots in float32 (a sum over k, no scatter)."""
+    token's k slots in float32 (a sum over k, no scatter). ``order``: as for ``_slot_linear``."""
     if takes_grad(x, table):
         return _SlotLinear.apply(_per_slot(x, slots.T, slots.k), table, ids, *sorted_slots)
-    return _token_products(x, table, ids, slots.T, slots.k, per_slot=False)
+    return _token_products(x, table, ids, slots.T, slots.k, per_slot=False, order=order)
 
 
 def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: int, k: int,
-                    per_slot: bool) -> torch.Tensor:
+                    per_slot: bool, order: torch.Tensor | None = None) -> torch.Tensor:
     """table[ids[s]] @ x[s // k] for every slot s, not differentiated. On the CPU row kernel: each slot's row read
     from x (no copy per slot; the same products either way). On one chunk and without ``per_slot``: each token's k
     gathered matrices as one [k*N, K] matrix times the token's row (no copy of x per slot); else a row per slot (the
@@ -159,11 +172,11 @@ def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: 
     if _in_place(table) and expert_rows.applies(x, table):
         return _rows_on_kernel(x, table, ids, slots_per_row=k)
     if slot_blas.applies(x, table):  # each slot's row read from x: the products of the per-slot path, no copy of x
-        return slot_blas.products(x, table, ids, rows_per_x=k)
+        return slot_blas.products(x, table, ids, rows_per_x=k, order=order)
     if not per_slot and not _in_place(table) and _chunks(T * k, table) is None:
         N, K = table.shape[1:]
         return torch.bmm(table[ids].reshape(T, k * N, K), x.unsqueeze(2)).view(T * k, N)
-    return _slot_products(_per_slot(x, T, k), table, ids)
+    return _slot_products(_per_slot(x, T, k), table, ids, order=order)
 
 
 def _rows_on_kernel(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slots_per_row: int) -> torch.Tensor:
@@ -185,9 +198,10 @@ class _TrainingStep(torch.autograd.Function):
         x = as_dtype(hidden_states, gate_up_proj.dtype)
         E, H, I = down_proj.shape
         need_x, _, need_gate_up = ctx.needs_input_grad[:3]
-        h = _token_products(x, gate_up_proj, ids, T, k, per_slot=need_x or need_gate_up)
+        order = _entry_order(ids, x, gate_up_proj)
+        h = _token_products(x, gate_up_proj, ids, T, k, per_slot=need_x or need_gate_up, order=order)
         act, a = gate_with_activation(h, activation, I)
-        y = _slot_products(a, down_proj, ids).view(T, k, H)
+        y = _slot_products(a, down_proj, ids, order=order).view(T, k, H)
         weights = masked_weights(top_k_weights.reshape(T, k), empty)
         ctx.save_for_backward(x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y)
         ctx.step = (activation, T, k, hidden_states.dtype, top_k_weights.shape)
@@ -251,7 +265,8 @@ def _composed_forward(hidden_states, slots, top_k_weights, gate_up_proj, down_pr
                                                and takes_grad(hidden_states, gate_up_proj, gate_up_bias)):
         sorted_slots = _SortedSlots.sort(ids, E)
     x = hidden_states.to(gate_up_proj.dtype)
-    h = _first_projection(x, gate_up_proj, ids, slots, sorted_slots)
+    order = _entry_order(ids, x, gate_up_proj, sorted_slots[0])
+    h = _first_projection(x, gate_up_proj, ids, slots, sorted_slots, order)
     a = gate(activation, add_bias(h, gate_up_bias, ids), I)
-    y = add_bias(_slot_linear(a.contiguous(), down_proj, ids, sorted_slots), down_bias, ids)
+    y = add_bias(_slot_linear(a.contiguous(), down_proj, ids, sorted_slots, order), down_bias, ids)
     return combine(y, slots, top_k_weights, hidden_states.dtype)
