@@ -7,7 +7,8 @@ few slots on, that copy is most of the call (on the H100, qwen3-30b-a3b at T=4: 
 matrix in place: out[s] = table[ids[s]] @ x[s // rows_per_x], as an [N, 1] product per slot. The pointer arrays are
 made on the device from the routing ids (no host sync; a CUDA graph captures them): in eager calls a kept array
 rewritten by two small ops, in graphs and compiled code an array of the call's own by one Triton kernel
-(``moe_shared.kernels.slot_pointers``). From ``ORDERED_FROM_SLOTS`` slots on, the batch entries go in expert order
+(``moe_shared.kernels.slot_pointers``). From ``ORDERED_FROM_SLOTS_PER_EXPERT`` slots per expert on, the batch entries
+go in expert order
 (the Triton kernel reads the slots through a stable sort of the ids; each entry still writes its own slot's row):
 the entries of one expert then run side by side, so its matrix is read from memory about once, not once per slot.
 Each entry's product is the same either way, and so are the bits. The call runs on torch's cuBLAS handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each
@@ -27,10 +28,14 @@ from pathlib import Path
 import torch
 
 DEVICES = ("cuda",)
-# slots from which a call's batch entries go in expert order (see the module docstring); below, in slot order. A
-# batch entry per slot's whole output: on the H100 entries of 768 to 48 of its rows were no faster at T = 1 to 64 and
-# up to 18% slower (tests/device_results/nvidia-h100-batched-slots.json, tests/device_batched_slots.py)
-ORDERED_FROM_SLOTS = 16
+# slots per expert (S / E) from which a call's batch entries go in expert order (see the module docstring); below, in
+# slot order (few slots share an expert there, and the sort costs about 0.011 ms). On the H100, qwen3-30b-a3b (E=128,
+# k=8), each projection's products in a CUDA graph, sort included, slot / expert order: gate/up 0.081 / 0.092 ms at
+# T=4 (S/E 0.25), 0.140 / 0.149 at T=8 (0.5), 0.268 / 0.228 at T=16, 0.990 / 0.451 at T=64; compiled forward (one
+# sort for both projections) 0.110 / 0.112 at T=4, 0.205 / 0.187 at T=8, 0.391 / 0.311 at T=16, 1.484 / 0.662 at T=64
+# (tests/device_results/nvidia-h100-batched-slots-expert-order.json). A batch entry per slot's whole output: entries
+# of 768 to 48 of its rows were no faster at T = 1 to 64 and up to 18% slower (nvidia-h100-batched-slots.json).
+ORDERED_FROM_SLOTS_PER_EXPERT = 0.5
 ALIGNMENT = 16  # bytes: every matrix and vector address cuBLAS is given, so its tensor-core paths apply
 _CUDA_TYPE = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
 _COMPUTE_32F, _COMPUTE_32F_PEDANTIC, _COMPUTE_32F_FAST_TF32 = 68, 69, 77  # cublasComputeType_t
@@ -211,10 +216,16 @@ def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_
     return _own_pointers(x, table, ids, rows_per_x, out, order, kernel=not (keep and capturing and not _OWN_ARRAYS[0]))
 
 
-def expert_order(ids: torch.Tensor) -> torch.Tensor | None:
+def ordered(slots: int, experts: int) -> bool:
+    """Whether a call of ``slots`` slots over ``experts`` experts runs its batch entries in expert order (from
+    ``ORDERED_FROM_SLOTS_PER_EXPERT`` slots per expert; never for one slot)."""
+    return slots > 1 and slots >= ORDERED_FROM_SLOTS_PER_EXPERT * experts
+
+
+def expert_order(ids: torch.Tensor, experts: int) -> torch.Tensor | None:
     """The slots in expert order (a stable sort of ``ids``: the ``order`` of ``products``) where a call of
-    ``ids.shape[0]`` slots runs its batch entries so (from ``ORDERED_FROM_SLOTS`` slots), else None."""
-    if ids.shape[0] < ORDERED_FROM_SLOTS:
+    ``ids.shape[0]`` slots over ``experts`` experts runs its batch entries so (``ordered``), else None."""
+    if not ordered(ids.shape[0], experts):
         return None
     return torch.sort(ids, stable=True)[1]
 

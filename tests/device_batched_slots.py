@@ -9,7 +9,7 @@
 - time, qwen3-30b-a3b, bf16, T = 1..64: each projection's products alone in a CUDA graph (device time only) with the
   batch entries in slot order and in expert order (its sort included), and gathered; the host time of the products
   and of their pointer arrays alone; batched_mm's whole forward (device_decode_profile's timer: CUDA events around
-  one call, host time) with the slot products (expert order from ``slot_blas.ORDERED_FROM_SLOTS``, and slot order
+  one call, host time) with the slot products (expert order where ``slot_blas.ordered``, and slot order
   always) and gathered (no decode graphs), with its decode graph, and transformers' batched_mm; forward+backward
   likewise;
 - compiled (mode default): batched_mm through the op moe_torch::slot_products (expert order from the threshold, and
@@ -60,10 +60,10 @@ class SlotOrder:
     """batched_mm's slot products with their batch entries in slot order at every size."""
 
     def __enter__(self):
-        self.ordered_from, slot_blas.ORDERED_FROM_SLOTS = slot_blas.ORDERED_FROM_SLOTS, 1 << 62
+        self.ordered_from, slot_blas.ORDERED_FROM_SLOTS_PER_EXPERT = slot_blas.ORDERED_FROM_SLOTS_PER_EXPERT, 1e30
 
     def __exit__(self, *exc):
-        slot_blas.ORDERED_FROM_SLOTS = self.ordered_from
+        slot_blas.ORDERED_FROM_SLOTS_PER_EXPERT = self.ordered_from
 
 
 class Gathered:

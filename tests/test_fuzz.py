@@ -441,7 +441,7 @@ def test_batched_mm_slot_products_match_the_reference(params):
     """torch ``batched_mm`` with its CUDA way, the per-slot products on cuBLAS pointer arrays (moe_torch.slot_blas),
     here through test_slot_blas's stand-in for cublasGemmBatchedEx, which reads and writes the memory the pointers
     name; H and I rounded up to multiples of 8 so the addresses are aligned and the way applies (except to strided
-    rows), the batch entries in expert order from two slots on. Forward and every gradient."""
+    rows), the batch entries in expert order from two slots on (ORDERED_FROM_SLOTS_PER_EXPERT 0). Forward and every gradient."""
     from test_slot_blas import FakeGemmBatched
     from moe_torch import slot_blas
     from moe_torch.backends import batched_mm
@@ -452,7 +452,7 @@ def test_batched_mm_slot_products_match_the_reference(params):
         patch.setattr(slot_blas, "DEVICES", ("cpu",))
         patch.setattr(slot_blas, "_gemm_batched", lambda: gemm)
         patch.setattr(slot_blas, "_blas_handle", lambda: 0)
-        patch.setattr(slot_blas, "ORDERED_FROM_SLOTS", 2)
+        patch.setattr(slot_blas, "ORDERED_FROM_SLOTS_PER_EXPERT", 0)
         patch.setattr(batched_mm, "IN_PLACE_DEVICES", ())
         results = torch_results(problem, "batched_mm")
     check_close(problem, results, problem.expected, "torch batched_mm (slot products)")

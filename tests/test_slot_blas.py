@@ -109,10 +109,11 @@ def test_products_in_expert_order_are_the_same_bits(fake, layout):
 
 
 def test_expert_order_from_the_threshold(monkeypatch):
-    monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS", 4)
-    assert slot_blas.expert_order(torch.tensor([3, 1, 2])) is None
+    monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS_PER_EXPERT", 0.5)
+    assert slot_blas.expert_order(torch.tensor([3, 1, 2]), 8) is None  # 3 slots over 8 experts
     ids = torch.tensor([3, 1, 3, 0, 1])
-    assert slot_blas.expert_order(ids).tolist() == [3, 1, 4, 0, 2]  # stable: equal experts keep slot order
+    assert slot_blas.expert_order(ids, 10).tolist() == [3, 1, 4, 0, 2]  # stable: equal experts keep slot order
+    assert slot_blas.expert_order(torch.tensor([0]), 1) is None  # one slot: nothing to order
 
 
 def test_slot_pointers_take_strided_routing_ids():
@@ -217,13 +218,13 @@ def _aligned(case) -> bool:
     return case.H % 8 == 0 and case.I % 8 == 0
 
 
-@pytest.mark.parametrize("ordered_from", [1, 10**9], ids=["expert-order", "slot-order"])
+@pytest.mark.parametrize("ordered_from", [0, 10**9], ids=["expert-order", "slot-order"])
 @pytest.mark.parametrize("case", [c for c in CASES if _aligned(c)], ids=case_id)
 def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case, ordered_from):
     """batched_mm with its per-slot products on the stand-in: forward and gradients within the tolerance table,
     both projections' forward products made there (one batched call each), their batch entries in expert order
-    from ORDERED_FROM_SLOTS slots on (training and inference)."""
-    monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS", ordered_from)
+    where slot_blas.ordered says so (training and inference)."""
+    monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS_PER_EXPERT", ordered_from)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     tensors = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in case.inputs.items()}
     tensors = {n: t if n == "top_k_index" else t.to(dtypes[case.dtype]).requires_grad_() for n, t in tensors.items()}
@@ -232,7 +233,7 @@ def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case,
     assert len(fake.calls) == (2 if case.T else 0)
     E = tensors["down_proj"].shape[0]
     ids = tensors["top_k_index"].reshape(-1).clamp(0, E - 1).tolist()
-    entry_experts = sorted(ids) if ordered_from == 1 else ids
+    entry_experts = sorted(ids) if ordered_from == 0 and len(ids) > 1 else ids
     for (matrices, _, _), table in zip(fake.pointers, (tensors["gate_up_proj"], tensors["down_proj"])):
         assert _experts_of(matrices, table) == entry_experts
     out.backward(torch.from_numpy(case.grad_output).to(dtypes[case.dtype]))

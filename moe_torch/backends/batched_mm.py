@@ -117,10 +117,10 @@ def _linear_grads(grad: torch.Tensor, sorted_x: torch.Tensor | None, table: torc
 def _entry_order(ids: torch.Tensor, x: torch.Tensor, table: torch.Tensor,
                  known: torch.Tensor | None = None) -> torch.Tensor | None:
     """The slots in expert order for slot_blas's batch entries where its products run and order them
-    (``slot_blas.ORDERED_FROM_SLOTS``), else None; ``known``: a stable sort's order of ``ids`` made already."""
-    if ids.shape[0] < slot_blas.ORDERED_FROM_SLOTS or not slot_blas.applies(x, table):
+    (``slot_blas.ordered``), else None; ``known``: a stable sort's order of ``ids`` made already."""
+    if not slot_blas.ordered(ids.shape[0], table.shape[0]) or not slot_blas.applies(x, table):
         return None
-    return slot_blas.expert_order(ids) if known is None else known
+    return slot_blas.expert_order(ids, table.shape[0]) if known is None else known
 
 
 def _needs_sort(device: torch.device, need_input: bool, need_table: bool) -> bool:
