@@ -336,3 +336,23 @@ def test_own_pointer_arrays_name_the_same_addresses(monkeypatch, kernel, index_d
         assert torch.equal(ordered, kept[:, order.long()])
         assert own.data_ptr() != fresh.data_ptr() and not any(
             array.pointers.data_ptr() in (own.data_ptr(), fresh.data_ptr()) for array in slot_blas._KEPT.values())
+
+
+@pytest.mark.parametrize("ordered_from", [0, 10**9], ids=["expert-order", "slot-order"])
+def test_a_training_step_sorts_the_slots_once(fake, monkeypatch, ordered_from):
+    """batched_mm's training step sorts the slots by expert once: in the forward where its batch entries go in
+    expert order (the backward takes that order), else in the backward."""
+    from moe_torch.backends import grouped_mm as grouped_mm_backend
+    from support import random_case
+
+    monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS_PER_EXPERT", ordered_from)
+    monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
+    monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
+    arrays, dy = random_case(29, T=6, H=32, I=16, E=5, k=2, bias=False)
+    tensors = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).bfloat16().requires_grad_()
+               for n, a in arrays.items()}
+    with _Ops() as ops:
+        out = moe_torch.experts_forward(**tensors, implementation="batched_mm")
+        forward_sorts = sum(name.startswith("sort") for name in ops.names)
+        out.backward(torch.from_numpy(dy).bfloat16())
+    assert (forward_sorts, sum(name.startswith("sort") for name in ops.names)) == ((1, 1) if ordered_from == 0 else (0, 1))

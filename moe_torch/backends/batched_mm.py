@@ -83,9 +83,12 @@ class _SortedSlots:
         self.order, self.offs, self.num_experts = order, offs, num_experts
 
     @staticmethod
-    def sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(order, offs): each sorted row's slot and each expert's end row."""
-        sorted_ids, order, _ = sort_keys(ids, inverse=False)
+    def sort(ids: torch.Tensor, num_experts: int, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, offs): each sorted row's slot and each expert's end row; ``order``: a stable sort's made already."""
+        if order is None:
+            sorted_ids, order, _ = sort_keys(ids, inverse=False)
+        else:
+            sorted_ids = ids.index_select(0, order)
         return order, expert_ends(sorted_ids, num_experts)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -203,13 +206,13 @@ class _TrainingStep(torch.autograd.Function):
         act, a = gate_with_activation(h, activation, I)
         y = _slot_products(a, down_proj, ids, order=order).view(T, k, H)
         weights = masked_weights(top_k_weights.reshape(T, k), empty)
-        ctx.save_for_backward(x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y)
+        ctx.save_for_backward(x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y, order)
         ctx.step = (activation, T, k, hidden_states.dtype, top_k_weights.shape)
         return sum_over_k(y, weights, empty).to(hidden_states.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y = ctx.saved_tensors
+        x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y, order = ctx.saved_tensors
         activation, T, k, hidden_dtype, weights_shape = ctx.step
         need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         E, H, I = down_proj.shape
@@ -219,7 +222,7 @@ class _TrainingStep(torch.autograd.Function):
         if grad_y is not None:
             slots = None
             if _needs_sort(grad.device, True, need_gate_up or need_down):
-                slots = _SortedSlots(*_SortedSlots.sort(ids, E), E)
+                slots = _SortedSlots(*_SortedSlots.sort(ids, E, order), E)  # the forward's entry order, if any
             sorted_a = slots.rows(a) if need_down else None
             grad_a, grad_down = _linear_grads(grad_y.view(T * k, H), sorted_a, down_proj, ids, slots,
                                               need_x or need_gate_up, need_down)
