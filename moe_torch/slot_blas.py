@@ -8,11 +8,11 @@ matrix in place: out[s] = table[ids[s]] @ x[s // rows_per_x], as an [N, 1] produ
 made on the device from the routing ids (no host sync; a CUDA graph captures them): in eager calls a kept array
 rewritten by two small ops, in graphs and compiled code an array of the call's own by one Triton kernel
 (``moe_shared.kernels.slot_pointers``). From ``ORDERED_FROM_SLOTS_PER_EXPERT`` slots per expert on, the batch entries
-go in expert order
-(the Triton kernel reads the slots through a stable sort of the ids; each entry still writes its own slot's row):
-the entries of one expert then run side by side, so its matrix is read from memory about once, not once per slot.
-Each entry's product is the same either way, and so are the bits. The call runs on torch's cuBLAS handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each
-matrix row- or column-contiguous, every address a multiple of 16 bytes; under torch.compile as the opaque op
+go in expert order (the Triton kernel reads the slots through a stable sort of the ids; each entry still writes its
+own slot's row): the entries of one expert then run side by side, so its matrix is read from memory about once, not
+once per slot. Each entry's product is the same either way, and so are the bits. The call runs on torch's cuBLAS
+handle and current stream. Used where ``applies``: CUDA, float32/bfloat16/float16, each matrix row- or
+column-contiguous, every address a multiple of 16 bytes; under torch.compile as the opaque op
 ``moe_torch::slot_products`` (the compiler cannot trace a ctypes call). float32 runs in TF32 exactly where
 ``torch.backends.cuda.matmul.allow_tf32`` lets torch's own matmuls do so.
 """
@@ -213,7 +213,8 @@ def slot_pointers(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, rows_
         key = (ids.shape[0], rows_per_x, x.stride(0) * size, out.stride(0) * size, device)
         return _kept_array(key).fill(table, ids, x, out)
     # an eager call inside a capture of the caller's takes the small ops: the kernel may not be compiled yet
-    return _own_pointers(x, table, ids, rows_per_x, out, order, kernel=not (keep and capturing and not _OWN_ARRAYS[0]))
+    foreign_capture = keep and capturing and not _OWN_ARRAYS[0]
+    return _own_pointers(x, table, ids, rows_per_x, out, order, kernel=not foreign_capture)
 
 
 def ordered(slots: int, experts: int) -> bool:

@@ -160,12 +160,13 @@ def main() -> None:
                 row[f"{name} expert order device"] = graph_ms(lambda: slot_blas.products(
                     vectors, table, ids, rows_x, order=torch.sort(ids, stable=True)[1]))
                 if T <= 64:  # a graph of gathers keeps every call's copy: 20 x 19 GB at T=256
-                    row[f"{name} gathered device"] = graph_ms(lambda: slot_blas.gathered_products(vectors, table, ids, rows_x))
+                    row[f"{name} gathered device"] = graph_ms(
+                        lambda: slot_blas.gathered_products(vectors, table, ids, rows_x))
             call = device_decode_profile.timed(lambda: slot_blas.products(x, gate_up, ids, K))
             row["gate_up products: launch host, whole host"] = [call[2], call[1]]
             call = device_decode_profile.timed(lambda: slot_blas.products(
                 x, gate_up, ids, K, order=torch.sort(ids, stable=True)[1]))
-            row["gate_up products in expert order with its sort: launch host, whole host"] = [call[2], call[1]]
+            row["gate_up products in expert order, sort included: launch host, whole host"] = [call[2], call[1]]
             out = torch.empty(T * K, 2 * I, device=device, dtype=torch.bfloat16)
             row["gate_up pointers: launch host"] = device_decode_profile.timed(
                 lambda: slot_blas.slot_pointers(x, gate_up, ids, K, out))[2]

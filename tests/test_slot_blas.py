@@ -247,7 +247,8 @@ def test_batched_mm_on_slot_products_passes_the_vectors(fake, monkeypatch, case,
         again = moe_torch.experts_forward(**tensors, implementation="batched_mm", activation=case.activation)
     assert torch.equal(again, out.detach())
     assert len(fake.calls) == after_backward + (2 if case.T else 0)
-    for (matrices, _, _), table in zip(fake.pointers[after_backward:], (tensors["gate_up_proj"], tensors["down_proj"])):
+    inference = fake.pointers[after_backward:]
+    for (matrices, _, _), table in zip(inference, (tensors["gate_up_proj"], tensors["down_proj"])):
         assert _experts_of(matrices, table) == entry_experts
 
 
@@ -355,4 +356,5 @@ def test_a_training_step_sorts_the_slots_once(fake, monkeypatch, ordered_from):
         out = moe_torch.experts_forward(**tensors, implementation="batched_mm")
         forward_sorts = sum(name.startswith("sort") for name in ops.names)
         out.backward(torch.from_numpy(dy).bfloat16())
-    assert (forward_sorts, sum(name.startswith("sort") for name in ops.names)) == ((1, 1) if ordered_from == 0 else (0, 1))
+    step_sorts = sum(name.startswith("sort") for name in ops.names)
+    assert (forward_sorts, step_sorts) == ((1, 1) if ordered_from == 0 else (0, 1))

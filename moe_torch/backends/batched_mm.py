@@ -83,7 +83,8 @@ class _SortedSlots:
         self.order, self.offs, self.num_experts = order, offs, num_experts
 
     @staticmethod
-    def sort(ids: torch.Tensor, num_experts: int, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def sort(ids: torch.Tensor, num_experts: int,
+             order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(order, offs): each sorted row's slot and each expert's end row; ``order``: a stable sort's made already."""
         if order is None:
             sorted_ids, order, _ = sort_keys(ids, inverse=False)

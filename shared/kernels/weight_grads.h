@@ -4,8 +4,9 @@
 // gradient; an expert without rows is left as `out` holds it (the caller's zeros: released pages cost nothing
 // unless written). No float32 [N, K] per expert in memory, no second pass to round it. The thread that takes an
 // expert's first unit maps its whole gradient's pages for writing first (PopulateForWriting: XLA's large buffers are
-// fresh pages; a jitted qwen3-cpu training step on the 2-core EPYC, JAX grouped_mm, medians of 15, alternating: T=4
-// 31.3-31.6 against 33.0-36.1 ms, T=8 41-45 against 49-61, T=16 59-65 against 72).
+// fresh pages). A jitted qwen3-cpu training step on the 2-core EPYC, JAX grouped_mm, four processes each, alternating,
+// medians of 15 steps: T=8 45.0-49.3 against 47.6-53.7 ms, T=16 68.9-85.3 against 73.1-81.1 (about 4% by the middle
+// medians, 10% by the fastest steps: a small gain within this host's spread).
 // Rows go in pairs through AVX512-BF16 dot products (each pair's right rows interleaved once per unit of work, a
 // missing second row as zeros), so the sums are of exact bfloat16 products, a pair at a time, in row order: the
 // same bits on every run. A unit of work is one expert's kGradRows output rows; the threads that run a job share
