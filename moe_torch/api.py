@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from moe_shared import check_arguments, check_expert_ids
 from moe_shared.registry import BackendRegistry
-from moe_shared.spec import load_spec
 
 from . import backends, graphs
 from .base import device_class, dtype_name, info
@@ -114,14 +112,8 @@ def experts_forward(
 
 
 def _graphable(implementation: str, activation, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dims) -> bool:
-    """Whether calls of this signature may run as decode graphs (``graphs``): a named activation, and at most the
-    expert weights (T*k slots times one expert's) that the backend's spec entry allows on this device class."""
-    backend = load_spec().backends.get(implementation)
-    if backend is None or "torch" not in backend.frameworks:
-        return False
-    limit_mib = backend.frameworks["torch"].graphs.get(device_class(gate_up_proj.device), 0)
-    expert_bytes = (math.prod(gate_up_proj.shape[1:]) + math.prod(down_proj.shape[1:])) * gate_up_proj.element_size()
-    return isinstance(activation, str) and 0 < dims.slots * expert_bytes <= limit_mib << 20
+    """Whether calls of this signature may run as decode graphs (``graphs.allowed``)."""
+    return graphs.allowed(implementation, activation, gate_up_proj, down_proj, dims.slots)
 
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:

@@ -16,6 +16,11 @@ activations; batched_mm's gathered weights where it cannot read them in place) p
 MAX_GRAPHS graphs are kept (the least recently used goes first); ``release()`` drops them all.
 ``MOE_TORCH_GRAPHS``: ``auto`` (default) as above, ``off`` never. Calls from several threads or on several streams at
 once should turn it off.
+
+Training graphs (``MOE_TORCH_TRAINING_GRAPHS``: ``off`` by default, ``auto`` to use them; not yet checked on a GPU): a
+backend's training step within the same bound (for now ``batched_mm``'s, a named activation without biases) replays
+its forward and its backward up to the weight gradients as two graphs of this pool (``replay``); see
+``moe_torch.backends.batched_mm._GraphedTrainingStep``.
 """
 
 from __future__ import annotations
@@ -25,21 +30,29 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
+import math
+
 import torch
 
+from moe_shared.spec import load_spec
+
 from . import slot_blas
+from .base import device_class
 
 VARIABLE = "MOE_TORCH_GRAPHS"
+TRAINING_VARIABLE = "MOE_TORCH_TRAINING_GRAPHS"
+TRAINING_DEVICES = ("cuda",)
 MAX_GRAPHS = 256
 _SETTINGS = ("auto", "off")
 
 
 class _Graph:
-    """A captured call: the graph, the buffers it reads its per-call inputs from, and the one it writes."""
+    """A captured call: the graph, the buffers it reads its per-call inputs from, and what it writes (the call's
+    result: a tensor, or a tuple of tensors and Nones)."""
 
     __slots__ = ("graph", "inputs", "output")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple[torch.Tensor, ...], output):
         self.graph, self.inputs, self.output = graph, inputs, output
 
 
@@ -47,11 +60,47 @@ _GRAPHS: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: the capture 
 _POOLS: dict[int, tuple] = {}
 
 
-def enabled() -> bool:
-    value = os.environ.get(VARIABLE, "auto")
+def _setting(variable: str, default: str) -> bool:
+    value = os.environ.get(variable, default)
     if value not in _SETTINGS:
-        raise ValueError(f"{VARIABLE}: expected one of {list(_SETTINGS)}, got {value!r}")
+        raise ValueError(f"{variable}: expected one of {list(_SETTINGS)}, got {value!r}")
     return value == "auto"
+
+
+def enabled() -> bool:
+    return _setting(VARIABLE, "auto")
+
+
+def allowed(implementation: str, activation, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+            slots: int) -> bool:
+    """Whether calls of this signature may run as graphs: a named activation, and at most the expert weights (T*k
+    slots times one expert's) that the backend's spec entry allows on this device class."""
+    backend = load_spec().backends.get(implementation)
+    if backend is None or "torch" not in backend.frameworks:
+        return False
+    limit_mib = backend.frameworks["torch"].graphs.get(device_class(gate_up_proj.device), 0)
+    expert_bytes = (math.prod(gate_up_proj.shape[1:]) + math.prod(down_proj.shape[1:])) * gate_up_proj.element_size()
+    return isinstance(activation, str) and 0 < slots * expert_bytes <= limit_mib << 20
+
+
+def training_wanted(implementation: str, activation, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """Whether a training call runs its step as training graphs: the setting on, a device of TRAINING_DEVICES,
+    outside torch.compile and outside a capture of the caller's, within the signature's bound (``allowed``)."""
+    if not _setting(TRAINING_VARIABLE, "off") or hidden_states.device.type not in TRAINING_DEVICES:
+        return False
+    if torch.compiler.is_compiling() or (hidden_states.device.type == "cuda"
+                                         and torch.cuda.is_current_stream_capturing()):
+        return False
+    return allowed(implementation, activation, gate_up_proj, down_proj, top_k_index.numel())
+
+
+def training_key(implementation: str, activation: str, per_call: tuple[torch.Tensor, ...],
+                 weights: tuple[torch.Tensor, ...]) -> tuple:
+    """The signature of a training graph: the backend, the activation, each per-call tensor's shape, strides, dtype
+    and device, and ``weights_key`` of the weights."""
+    return (implementation, "training", activation, tuple((t.shape, t.stride(), t.dtype, t.device) for t in per_call),
+            weights_key(weights))
 
 
 def wanted(per_call: tuple[torch.Tensor | None, ...]) -> bool:
@@ -74,6 +123,13 @@ def weights_key(tensors) -> tuple:
 def run(key: tuple, call: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``call(*inputs)`` through the graph of ``key`` (captured now where there is none); ``call`` reads the weights
     of ``key`` where they lie."""
+    return replay(key, call, inputs).clone()
+
+
+def replay(key: tuple, call: Callable, inputs: tuple[torch.Tensor, ...]):
+    """``call(*inputs)``'s result as the graph of ``key`` leaves it (captured now where there is none): the graph's
+    own tensors, which its next replay overwrites, so read them before then (on this stream); ``call`` reads the
+    weights of ``key`` where they lie. Where the capture failed, ``call(*inputs)`` itself."""
     entry = _GRAPHS.get(key, _GRAPHS)
     if entry is _GRAPHS:
         entry = _capture(call, inputs)
@@ -87,7 +143,7 @@ def run(key: tuple, call: Callable[..., torch.Tensor], inputs: tuple[torch.Tenso
     for buffer, t in zip(entry.inputs, inputs):
         buffer.copy_(t)
     entry.graph.replay()
-    return entry.output.clone()
+    return entry.output
 
 
 def _pool(device: torch.device) -> tuple:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import expert_rows, slot_blas
+from .. import expert_rows, graphs, slot_blas
 from ..base import (Slots, add_bias, as_dtype, combine, combine_grads, expert_ends, gate, gate_grad,
                     gate_with_activation, masked_weights, sort_keys, sum_over_k, takes_grad, unsort_rows)
 from .grouped_mm import grouped_linear, grouped_weight_grad
@@ -99,11 +99,11 @@ class _SortedSlots:
 def _linear_grads(grad: torch.Tensor, sorted_x: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor,
                   slots: _SortedSlots | None, need_input: bool, need_table: bool):
     """The gradients of out[s] = table[ids[s]] @ x[s] from the output gradient [S, N]: (the input's [S, K], the
-    table's [E, N, K]), None where not needed. The output gradient's rows sorted by expert give the table's, and on
-    the devices of ``SORTED_INPUT_GRAD`` the input's too, as one grouped matmul on the table as stored (no gathered
-    weights); elsewhere the input's gathers the weights again, in cache-sized chunks. ``slots``: the slots sorted by
-    expert, needed for the table's gradient and the sorted input gradient; ``sorted_x``: the input's rows in that
-    order, needed for the table's gradient."""
+    operands of the table's [E, N, K] for ``_table_grad``), None where not needed. The output gradient's rows sorted
+    by expert give the table's, and on the devices of ``SORTED_INPUT_GRAD`` the input's too, as one grouped matmul on
+    the table as stored (no gathered weights); elsewhere the input's gathers the weights again, in cache-sized
+    chunks. ``slots``: the slots sorted by expert, needed for the table's gradient and the sorted input gradient;
+    ``sorted_x``: the input's rows in that order, needed for the table's gradient."""
     grad = grad.contiguous()
     sorted_input_grad = need_input and grad.device.type in SORTED_INPUT_GRAD
     grad_rows = slots.rows(grad) if need_table or sorted_input_grad else None
@@ -114,8 +114,13 @@ def _linear_grads(grad: torch.Tensor, sorted_x: torch.Tensor | None, table: torc
         else:
             grad_x = _slot_products(grad, table, ids, transpose=True)
     if need_table:
-        grad_table = grouped_weight_grad(grad_rows, sorted_x, slots.offs, slots.num_experts)
+        grad_table = (grad_rows, sorted_x, slots.offs, slots.num_experts)
     return grad_x, grad_table
+
+
+def _table_grad(operands) -> torch.Tensor | None:
+    """The table's gradient [E, N, K] from ``_linear_grads``' operands: one K-grouped matmul (None without)."""
+    return None if operands is None else grouped_weight_grad(*operands)
 
 
 def _entry_order(ids: torch.Tensor, x: torch.Tensor, table: torch.Tensor,
@@ -146,7 +151,8 @@ class _SlotLinear(torch.autograd.Function):
         slots = (_SortedSlots(order, offs, table.shape[0]) if _needs_sort(grad.device, need_input, need_table)
                  else None)
         sorted_x = slots.rows(x) if need_table else None
-        return *_linear_grads(grad, sorted_x, table, ids, slots, need_input, need_table), None, None, None
+        grad_x, table_operands = _linear_grads(grad, sorted_x, table, ids, slots, need_input, need_table)
+        return grad_x, _table_grad(table_operands), None, None, None
 
 
 def _slot_linear(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, sorted_slots,
@@ -191,54 +197,139 @@ def _rows_on_kernel(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slo
     return expert_rows.grouped_rows(x, table, slots, x_row, range(slots), [1] * slots, ids.tolist()).to(x.dtype)
 
 
+def _step_forward(x, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k, per_slot):
+    """The training step's forward: (the sum over k in float32, what its backward reads: the masked routing weights,
+    h = [g; u], act(g), a, y and the slots' expert order or None)."""
+    E, H, I = down_proj.shape
+    order = _entry_order(ids, x, gate_up_proj)
+    h = _token_products(x, gate_up_proj, ids, T, k, per_slot=per_slot, order=order)
+    act, a = gate_with_activation(h, activation, I)
+    y = _slot_products(a, down_proj, ids, order=order).view(T, k, H)
+    weights = masked_weights(top_k_weights.reshape(T, k), empty)
+    return sum_over_k(y, weights, empty), (weights, h, act, a, y, order)
+
+
+def _step_backward(grad, x, gate_up_proj, down_proj, ids, empty, kept, activation, T, k, needs, hidden_dtype):
+    """The training step's backward up to its weight gradients: (d hidden_states, d routing weights [T, k], the
+    operands of d gate_up_proj and of d down_proj for ``_table_grad``), None where ``needs`` (those four) says so."""
+    weights, h, act, a, y, order = kept
+    need_x, need_weights, need_gate_up, need_down = needs
+    E, H, I = down_proj.shape
+    grad_y, grad_weights = combine_grads(grad, y, weights, empty, need_x or need_gate_up or need_down, need_weights)
+    grad_x = gate_up_operands = down_operands = None
+    if grad_y is not None:
+        slots = None
+        if _needs_sort(grad.device, True, need_gate_up or need_down):
+            slots = _SortedSlots(*_SortedSlots.sort(ids, E, order), E)  # the forward's entry order, if any
+        sorted_a = slots.rows(a) if need_down else None
+        grad_a, down_operands = _linear_grads(grad_y.view(T * k, H), sorted_a, down_proj, ids, slots,
+                                              need_x or need_gate_up, need_down)
+        if grad_a is not None:
+            grad_h = gate_grad(grad_a, h, act, activation, I)
+            # the sorted slots' token rows: the rows of _per_slot(x) in that order, without that copy
+            sorted_x = (x.index_select(0, torch.div(slots.order, k, rounding_mode="floor")) if need_gate_up
+                        else None)
+            grad_x_slots, gate_up_operands = _linear_grads(grad_h, sorted_x, gate_up_proj, ids, slots, need_x,
+                                                           need_gate_up)
+            if grad_x_slots is not None:  # torch sums a half-precision expand's k rows in float32
+                grad_x = as_dtype(grad_x_slots.view(T, k, x.shape[1]).sum(1), hidden_dtype)
+    return grad_x, grad_weights, gate_up_operands, down_operands
+
+
 class _TrainingStep(torch.autograd.Function):
     """The whole computation as one autograd node, for a string activation without biases: the same ops and the
     same bits as the composed path (_first_projection, gate, _slot_linear, combine), with one node's host cost
     instead of eight (training at decode is host-bound). Keeps h = [g; u], act(g), a and y [T*k, ...] (no per-slot
-    copy of x); sorts the slots by expert in the backward, once for both projections."""
+    copy of x); sorts the slots by expert once for both projections (in the forward where slot_blas orders its
+    batch entries by expert, else in the backward)."""
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k):
         x = as_dtype(hidden_states, gate_up_proj.dtype)
-        E, H, I = down_proj.shape
         need_x, _, need_gate_up = ctx.needs_input_grad[:3]
-        order = _entry_order(ids, x, gate_up_proj)
-        h = _token_products(x, gate_up_proj, ids, T, k, per_slot=need_x or need_gate_up, order=order)
-        act, a = gate_with_activation(h, activation, I)
-        y = _slot_products(a, down_proj, ids, order=order).view(T, k, H)
-        weights = masked_weights(top_k_weights.reshape(T, k), empty)
-        ctx.save_for_backward(x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y, order)
+        out, kept = _step_forward(x, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k,
+                                  per_slot=need_x or need_gate_up)
+        ctx.save_for_backward(x, gate_up_proj, down_proj, ids, empty, *kept)
         ctx.step = (activation, T, k, hidden_states.dtype, top_k_weights.shape)
-        return sum_over_k(y, weights, empty).to(hidden_states.dtype)
+        return out.to(hidden_states.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        x, gate_up_proj, down_proj, ids, empty, weights, h, act, a, y, order = ctx.saved_tensors
+        x, gate_up_proj, down_proj, ids, empty, *kept = ctx.saved_tensors
         activation, T, k, hidden_dtype, weights_shape = ctx.step
-        need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
-        E, H, I = down_proj.shape
-        grad_y, grad_weights = combine_grads(grad, y, weights, empty, need_x or need_gate_up or need_down,
-                                             need_weights)
-        grad_x = grad_gate_up = grad_down = None
-        if grad_y is not None:
-            slots = None
-            if _needs_sort(grad.device, True, need_gate_up or need_down):
-                slots = _SortedSlots(*_SortedSlots.sort(ids, E, order), E)  # the forward's entry order, if any
-            sorted_a = slots.rows(a) if need_down else None
-            grad_a, grad_down = _linear_grads(grad_y.view(T * k, H), sorted_a, down_proj, ids, slots,
-                                              need_x or need_gate_up, need_down)
-            if grad_a is not None:
-                grad_h = gate_grad(grad_a, h, act, activation, I)
-                # the sorted slots' token rows: the rows of _per_slot(x) in that order, without that copy
-                sorted_x = (x.index_select(0, torch.div(slots.order, k, rounding_mode="floor")) if need_gate_up
-                            else None)
-                grad_x_slots, grad_gate_up = _linear_grads(grad_h, sorted_x, gate_up_proj, ids, slots,
-                                                           need_x, need_gate_up)
-                if grad_x_slots is not None:  # torch sums a half-precision expand's k rows in float32
-                    grad_x = as_dtype(grad_x_slots.view(T, k, x.shape[1]).sum(1), hidden_dtype)
+        grad_x, grad_weights, gate_up_operands, down_operands = _step_backward(
+            grad, x, gate_up_proj, down_proj, ids, empty, kept, activation, T, k, ctx.needs_input_grad[:4],
+            hidden_dtype)
         if grad_weights is not None:
             grad_weights = grad_weights.reshape(weights_shape)
-        return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None, None, None
+        return (grad_x, grad_weights, _table_grad(gate_up_operands), _table_grad(down_operands), None, None, None,
+                None, None)
+
+
+def _graph_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    """The training step's forward from the call's own inputs, as a training graph captures it: (the output,)."""
+    slots = Slots(top_k_index, down_proj.shape[0])
+    empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
+    x = as_dtype(hidden_states, gate_up_proj.dtype)
+    out, _ = _step_forward(x, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty, activation, slots.T,
+                           slots.k, per_slot=True)
+    return (out.to(hidden_states.dtype),)
+
+
+def _graph_backward(hidden_states, top_k_index, top_k_weights, grad, gate_up_proj, down_proj, activation, needs):
+    """The training step's backward from the call's own inputs and the output gradient, as a training graph captures
+    it: the forward made again (the same kernels, so the same bits), then the backward up to the weight gradients:
+    (d hidden_states, d routing weights [T, k], the sorted rows of the output gradient and of the input of the
+    gate/up projection, then of the down projection, the experts' end rows), None where not needed."""
+    slots = Slots(top_k_index, down_proj.shape[0])
+    empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
+    x = as_dtype(hidden_states, gate_up_proj.dtype)
+    _, kept = _step_forward(x, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty, activation, slots.T,
+                            slots.k, per_slot=True)
+    grad_x, grad_weights, gate_up_operands, down_operands = _step_backward(
+        grad, x, gate_up_proj, down_proj, slots.safe_ids, empty, kept, activation, slots.T, slots.k, needs,
+        hidden_states.dtype)
+    offs = next((operands[2] for operands in (gate_up_operands, down_operands) if operands is not None), None)
+    return (grad_x, grad_weights, *(gate_up_operands or (None,) * 2)[:2], *(down_operands or (None,) * 2)[:2],
+            offs)
+
+
+class _GraphedTrainingStep(torch.autograd.Function):
+    """``_TrainingStep`` with its forward and its backward (up to the weight gradients) replayed as CUDA graphs
+    (``moe_torch.graphs.replay``): a few copies and two replays a step instead of dozens of launches (training at
+    decode is host-bound). Keeps only the call's own inputs, no graph buffer: the backward's graph makes the
+    forward's values again from them, so steps may interleave (several forwards before their backwards). The weight
+    gradients are made outside the graphs, fresh tensors autograd can keep without a copy. The same bits as
+    ``_TrainingStep``."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, activation, key):
+        ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index)
+        ctx.step = (activation, key)
+
+        def call(hidden_states, top_k_index, top_k_weights):
+            return _graph_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+        (out,) = graphs.replay(key + ("forward",), call, (hidden_states, top_k_index, top_k_weights))
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index = ctx.saved_tensors
+        activation, key = ctx.step
+        needs = tuple(ctx.needs_input_grad[:4])
+
+        def call(hidden_states, top_k_index, top_k_weights, grad):
+            return _graph_backward(hidden_states, top_k_index, top_k_weights, grad, gate_up_proj, down_proj,
+                                   activation, needs)
+        grad_x, grad_weights, gate_up_rows, gate_up_in, down_rows, down_in, offs = graphs.replay(
+            key + ("backward", needs), call, (hidden_states, top_k_index, top_k_weights, grad.contiguous()))
+        E = down_proj.shape[0]
+        # read before the graph's next replay: launched now, on this stream
+        grad_gate_up = None if gate_up_rows is None else grouped_weight_grad(gate_up_rows, gate_up_in, offs, E)
+        grad_down = None if down_rows is None else grouped_weight_grad(down_rows, down_in, offs, E)
+        return (None if grad_x is None else grad_x.clone(),
+                None if grad_weights is None else grad_weights.reshape(top_k_weights.shape).clone(),
+                grad_gate_up, grad_down, None, None, None)
 
 
 def _per_slot(x: torch.Tensor, T: int, k: int) -> torch.Tensor:
@@ -248,12 +339,18 @@ def _per_slot(x: torch.Tensor, T: int, k: int) -> torch.Tensor:
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
-    slots = Slots(top_k_index, down_proj.shape[0])
     if (isinstance(activation, str) and gate_up_bias is None and down_bias is None
             and takes_grad(hidden_states, top_k_weights, gate_up_proj, down_proj)):
+        if graphs.training_wanted(NAME, activation, hidden_states, top_k_index, gate_up_proj, down_proj):
+            key = graphs.training_key(NAME, activation, (hidden_states, top_k_index, top_k_weights),
+                                      (gate_up_proj, down_proj))
+            return _GraphedTrainingStep.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index,
+                                              activation, key)
+        slots = Slots(top_k_index, down_proj.shape[0])
         empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
         return _TrainingStep.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty,
                                    activation, slots.T, slots.k)
+    slots = Slots(top_k_index, down_proj.shape[0])
     return _composed_forward(hidden_states, slots, top_k_weights, gate_up_proj, down_proj, activation, gate_up_bias,
                              down_bias)
 
