@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 
@@ -117,16 +116,10 @@ def main() -> None:
                       and torch.equal(out, ordered), rel_l2=err)
 
     def write() -> dict:
-        result = {
-            "meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                     "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                     "command": "PYTHONPATH=. python tests/device_batched_slots.py --out DIR",
-                     "units": "ms; '... device': per call in a CUDA graph of 20; triples: [CUDA events around one "
-                              "call, host up to its result, host until the call returned]"},
-            "summary": {"passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks)},
-            "checks": checks, "timings_ms_device_host": timings}
-        (folder / "batched-slots.json").write_text(json.dumps(result, indent=1))
-        return result
+        return device_decode_profile.write_checks(
+            folder / "batched-slots.json", "device_batched_slots.py",
+            "ms; '... device': per call in a CUDA graph of 20; triples: [CUDA events around one call, host up to its "
+            "result, host until the call returned]", checks, "timings_ms_device_host", timings)
 
     gate_up, down = device_decode_profile.qwen3_weights(device)
     theirs = transformers_peer("batched_mm")(E, H, I)

@@ -92,6 +92,18 @@ def qwen3_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             (torch.randn(E, H, I, device=device, generator=gen) / I ** 0.5).bfloat16())
 
 
+def write_checks(path: Path, script: str, units: str, checks: list[dict], timings_name: str, timings: dict) -> dict:
+    """Write (and return) a device script's result: versions, the command, the checks and their summary, the
+    timings under ``timings_name``."""
+    result = {"meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "command": f"PYTHONPATH=. python tests/{script} --out DIR", "units": units},
+              "summary": {"passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks)},
+              "checks": checks, timings_name: timings}
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def out_folder() -> Path:
     """The folder of ``--out`` (the only argument of the scripts beside this one), made."""
     parser = argparse.ArgumentParser()

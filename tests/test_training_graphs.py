@@ -59,8 +59,9 @@ def _plain(tensors, dy, monkeypatch):
 
 @pytest.mark.parametrize("ordered_from", [0, 10**9], ids=["expert-order", "slot-order"])
 def test_graphed_step_gives_the_plain_steps_bits(cuda_way, monkeypatch, ordered_from):
-    """Two graphs at the first step (forward, backward), none later, each replayed at every step; every step's output and gradients are the
-    plain training step's bits, also with empty slots and for new inputs of the same shapes."""
+    """Two graphs at the first step (forward, backward), none later, each replayed at every step; every step's
+    output and gradients are the plain training step's bits, also with empty slots and for new inputs of the same
+    shapes."""
     monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS_PER_EXPERT", ordered_from)
     weights = {n: t for n, t in _tensors(2)[0].items() if n in ("gate_up_proj", "down_proj")}
     for seed in (3, 4, 5):  # new per-call inputs, the same weights: one signature
