@@ -129,3 +129,12 @@ def test_off_by_default_and_where_a_bias_or_a_gate_callable_is_given(cuda_way, m
     monkeypatch.setenv(graphs.TRAINING_VARIABLE, "sometimes")
     with pytest.raises(ValueError, match="MOE_TORCH_TRAINING_GRAPHS"):
         _step(tensors, dy)
+
+
+def test_a_second_derivative_raises(cuda_way):
+    """The graphs' replays are not differentiated: asking for a second derivative through them is an error."""
+    tensors, dy = _tensors(12)
+    out = moe_torch.experts_forward(**tensors, implementation="batched_mm")
+    (grad_x,) = torch.autograd.grad(out, [tensors["hidden_states"]], dy, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad_x.float().sum().backward()

@@ -17,6 +17,7 @@ cost).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import expert_rows, graphs, slot_blas
 from ..base import (Slots, add_bias, as_dtype, combine, combine_grads, expert_ends, gate, gate_grad,
@@ -313,6 +314,7 @@ class _GraphedTrainingStep(torch.autograd.Function):
         return out.clone()
 
     @staticmethod
+    @once_differentiable  # a graph's replay is not differentiated: a second derivative raises, never silently zero
     def backward(ctx, grad):
         hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index = ctx.saved_tensors
         activation, key = ctx.step
