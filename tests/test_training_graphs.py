@@ -57,12 +57,15 @@ def _plain(tensors, dy, monkeypatch):
         return _step({n: t.detach().requires_grad_(t.requires_grad) for n, t in tensors.items()}, dy)
 
 
-@pytest.mark.parametrize("ordered_from", [0, 10**9], ids=["expert-order", "slot-order"])
+@pytest.mark.parametrize("ordered_from", [0, 10**9, None], ids=["expert-order", "slot-order", "gathered"])
 def test_graphed_step_gives_the_plain_steps_bits(cuda_way, monkeypatch, ordered_from):
     """Two graphs at the first step (forward, backward), none later, each replayed at every step; every step's
     output and gradients are the plain training step's bits, also with empty slots and for new inputs of the same
-    shapes."""
-    monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS_PER_EXPERT", ordered_from)
+    shapes; on the slot products in either order, and on gathered weights (where cuBLAS's way does not apply)."""
+    if ordered_from is None:
+        monkeypatch.setattr(slot_blas, "DEVICES", ())
+    else:
+        monkeypatch.setattr(slot_blas, "ORDERED_FROM_SLOTS_PER_EXPERT", ordered_from)
     weights = {n: t for n, t in _tensors(2)[0].items() if n in ("gate_up_proj", "down_proj")}
     for seed in (3, 4, 5):  # new per-call inputs, the same weights: one signature
         tensors, dy = _tensors(seed)

@@ -267,14 +267,15 @@ class _TrainingStep(torch.autograd.Function):
                 None, None)
 
 
-def _graph_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
-    """The training step's forward from the call's own inputs, as a training graph captures it: (the output,)."""
+def _graph_step_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, needs):
+    """``_TrainingStep``'s forward from the call's own inputs (as a training graph captures it): (its routing ids,
+    empty slots and x, its output, what its backward reads)."""
     slots = Slots(top_k_index, down_proj.shape[0])
     empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
     x = as_dtype(hidden_states, gate_up_proj.dtype)
-    out, _ = _step_forward(x, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty, activation, slots.T,
-                           slots.k, per_slot=True)
-    return (out.to(hidden_states.dtype),)
+    out, kept = _step_forward(x, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty, activation, slots.T,
+                              slots.k, per_slot=needs[0] or needs[2])
+    return (slots.safe_ids, empty, x), out.to(hidden_states.dtype), kept
 
 
 def _graph_backward(hidden_states, top_k_index, top_k_weights, grad, gate_up_proj, down_proj, activation, needs):
@@ -282,14 +283,11 @@ def _graph_backward(hidden_states, top_k_index, top_k_weights, grad, gate_up_pro
     it: the forward made again (the same kernels, so the same bits), then the backward up to the weight gradients:
     (d hidden_states, d routing weights [T, k], the sorted rows of the output gradient and of the input of the
     gate/up projection, then of the down projection, the experts' end rows), None where not needed."""
-    slots = Slots(top_k_index, down_proj.shape[0])
-    empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
-    x = as_dtype(hidden_states, gate_up_proj.dtype)
-    _, kept = _step_forward(x, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty, activation, slots.T,
-                            slots.k, per_slot=True)
+    (ids, empty, x), _, kept = _graph_step_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                                   activation, needs)
+    T, k = top_k_index.shape
     grad_x, grad_weights, gate_up_operands, down_operands = _step_backward(
-        grad, x, gate_up_proj, down_proj, slots.safe_ids, empty, kept, activation, slots.T, slots.k, needs,
-        hidden_states.dtype)
+        grad, x, gate_up_proj, down_proj, ids, empty, kept, activation, T, k, needs, hidden_states.dtype)
     offs = next((operands[2] for operands in (gate_up_operands, down_operands) if operands is not None), None)
     return (grad_x, grad_weights, *(gate_up_operands or (None,) * 2)[:2], *(down_operands or (None,) * 2)[:2],
             offs)
@@ -307,11 +305,12 @@ class _GraphedTrainingStep(torch.autograd.Function):
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, activation, key):
         ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index)
         ctx.step = (activation, key)
+        needs = tuple(ctx.needs_input_grad[:4])
 
         def call(hidden_states, top_k_index, top_k_weights):
-            return _graph_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
-        (out,) = graphs.replay(key + ("forward",), call, (hidden_states, top_k_index, top_k_weights))
-        return out.clone()
+            return _graph_step_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                       activation, needs)[1]
+        return graphs.replay(key + ("forward", needs), call, (hidden_states, top_k_index, top_k_weights)).clone()
 
     @staticmethod
     @once_differentiable  # a graph's replay is not differentiated: a second derivative raises, never silently zero
