@@ -86,7 +86,8 @@ def experts_forward(
                 raise ValueError(f"{name}: expected a tensor on {hidden_states.device} (the device of "
                                  f"hidden_states), got one on {t.device}")
         check_requirements(implementation, gate_up_proj.device, gate_up_proj.dtype)
-        checked = dims, key is not None and _graphable(implementation, activation, gate_up_proj, down_proj, dims)
+        checked = dims, key is not None and graphs.allowed(implementation, activation, gate_up_proj, down_proj,
+                                                          dims.slots)
         if key is not None:
             if len(_CHECKED) >= _CHECKED_MAX:
                 _CHECKED.clear()
@@ -109,11 +110,6 @@ def experts_forward(
     if graphable and graphs.wanted((hidden_states, top_k_weights, *weights)):
         return graphs.run((key, graphs.weights_key(weights)), call, (hidden_states, top_k_index, top_k_weights))
     return call(hidden_states, top_k_index, top_k_weights)
-
-
-def _graphable(implementation: str, activation, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dims) -> bool:
-    """Whether calls of this signature may run as decode graphs (``graphs.allowed``)."""
-    return graphs.allowed(implementation, activation, gate_up_proj, down_proj, dims.slots)
 
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:

@@ -25,12 +25,11 @@ its forward and its backward up to the weight gradients as two graphs of this po
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-
-import math
 
 import torch
 

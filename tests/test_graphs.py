@@ -120,12 +120,12 @@ def test_graphable_within_the_weight_bound_named_activations_and_declared_backen
     per_token = (ArrayInfo((T, H), "float32"), ArrayInfo((T, K), "int64"), ArrayInfo((T, K), "float32"))
     dims = moe_torch.api.check_arguments(*per_token, api.info(gate_up), api.info(down), None, None,
                                          activation="silu")
-    assert api._graphable("grouped_mm", "silu", gate_up, down, dims) is expected
-    assert not api._graphable("grouped_mm", torch.nn.functional.silu, gate_up, down, dims)
-    assert not api._graphable("eager", "silu", gate_up, down, dims)  # data dependent: not declared
-    assert not api._graphable("not-in-the-spec", "silu", gate_up, down, dims)
+    assert graphs.allowed("grouped_mm", "silu", gate_up, down, dims.slots) is expected
+    assert not graphs.allowed("grouped_mm", torch.nn.functional.silu, gate_up, down, dims.slots)
+    assert not graphs.allowed("eager", "silu", gate_up, down, dims.slots)  # data dependent: not declared
+    assert not graphs.allowed("not-in-the-spec", "silu", gate_up, down, dims.slots)
     monkeypatch.setattr(graphs, "load_spec", load_spec)
-    assert not api._graphable("grouped_mm", "silu", gate_up, down, dims)  # cpu: not declared
+    assert not graphs.allowed("grouped_mm", "silu", gate_up, down, dims.slots)  # cpu: not declared
 
 
 def test_plain_cpu_calls_never_capture(monkeypatch):
