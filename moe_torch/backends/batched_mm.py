@@ -128,9 +128,11 @@ def _entry_order(ids: torch.Tensor, x: torch.Tensor, table: torch.Tensor,
                  known: torch.Tensor | None = None) -> torch.Tensor | None:
     """The slots in expert order for slot_blas's batch entries where its products run and order them
     (``slot_blas.ordered``), else None; ``known``: a stable sort's order of ``ids`` made already."""
-    if not slot_blas.ordered(ids.shape[0], table.shape[0]) or not slot_blas.applies(x, table):
+    if not slot_blas.applies(x, table):
         return None
-    return slot_blas.expert_order(ids, table.shape[0]) if known is None else known
+    if known is None:
+        return slot_blas.expert_order(ids, table.shape[0])
+    return known if slot_blas.ordered(ids.shape[0], table.shape[0]) else None
 
 
 def _needs_sort(device: torch.device, need_input: bool, need_table: bool) -> bool:
@@ -310,7 +312,7 @@ class _GraphedTrainingStep(torch.autograd.Function):
         def call(hidden_states, top_k_index, top_k_weights):
             return _graph_step_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                        activation, needs)[1]
-        return graphs.replay(key + ("forward", needs), call, (hidden_states, top_k_index, top_k_weights)).clone()
+        return graphs.run(key + ("forward", needs), call, (hidden_states, top_k_index, top_k_weights))
 
     @staticmethod
     @once_differentiable  # a graph's replay is not differentiated: a second derivative raises, never silently zero
