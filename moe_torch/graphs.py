@@ -17,10 +17,9 @@ MAX_GRAPHS graphs are kept (the least recently used goes first); ``release()`` d
 ``MOE_TORCH_GRAPHS``: ``auto`` (default) as above, ``off`` never. Calls from several threads or on several streams at
 once should turn it off.
 
-Training graphs (``MOE_TORCH_TRAINING_GRAPHS``: ``off`` by default, ``auto`` to use them; not yet checked on a GPU): a
-backend's training step within the same bound (for now ``batched_mm``'s, a named activation without biases) replays
-its forward and its backward up to the weight gradients as two graphs of this pool (``replay``); see
-``moe_torch.backends.batched_mm._GraphedTrainingStep``.
+Training graphs (``MOE_TORCH_TRAINING_GRAPHS``: ``auto`` by default, ``off`` never): a backend's training step within
+the same bound (``batched_mm``'s and ``grouped_mm``'s: a named activation without biases) replays its forward and its
+backward up to the weight gradients as two graphs of this pool (``replay``); see ``moe_torch.training_step``.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def training_wanted(implementation: str, activation, hidden_states: torch.Tensor
                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
     """Whether a training call runs its step as training graphs: the setting on, a device of TRAINING_DEVICES,
     outside torch.compile and outside a capture of the caller's, within the signature's bound (``allowed``)."""
-    if not _setting(TRAINING_VARIABLE, "off") or hidden_states.device.type not in TRAINING_DEVICES:
+    if not _setting(TRAINING_VARIABLE, "auto") or hidden_states.device.type not in TRAINING_DEVICES:
         return False
     if torch.compiler.is_compiling() or (hidden_states.device.type == "cuda"
                                          and torch.cuda.is_current_stream_capturing()):
@@ -135,6 +134,7 @@ def replay(key: tuple, call: Callable, inputs: tuple[torch.Tensor, ...]):
         _GRAPHS[key] = entry
         if len(_GRAPHS) > MAX_GRAPHS:
             _GRAPHS.popitem(last=False)
+            _warn_evicting()
     else:
         _GRAPHS.move_to_end(key)
     if entry is None:
@@ -143,6 +143,18 @@ def replay(key: tuple, call: Callable, inputs: tuple[torch.Tensor, ...]):
         buffer.copy_(t)
     entry.graph.replay()
     return entry.output
+
+
+_EVICTION_WARNED = []
+
+
+def _warn_evicting() -> None:
+    if not _EVICTION_WARNED:
+        _EVICTION_WARNED.append(True)
+        warnings.warn(f"moe_torch: more than MAX_GRAPHS={MAX_GRAPHS} graph signatures; the least recently used are "
+                      f"dropped and captured again when called (each capture costs a warm-up call). Weights that move "
+                      f"to new memory at every step (re-gathered or re-allocated) make a new signature each time: "
+                      f"there set {VARIABLE}=off and {TRAINING_VARIABLE}=off", RuntimeWarning, stacklevel=4)
 
 
 def _pool(device: torch.device) -> tuple:

@@ -671,6 +671,43 @@ def test_batched_mm_training_step_is_one_node_with_the_composed_bits(trained, pa
         np.testing.assert_array_equal(fused.float().numpy(), composed.float().numpy())
 
 
+@pytest.mark.parametrize("trained", _TRAINED_SETS, ids=lambda t: "+".join(t))
+@pytest.mark.parametrize("k_grouped", [False, True], ids=["loop-weight-grad", "k-grouped-weight-grad"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_mm_training_step_is_one_node_with_the_composed_bits(trained, k_grouped, dtype, monkeypatch):
+    """On the devices of TRAINING_STEP_DEVICES (CUDA; here the CPU), grouped_mm's training with a named activation
+    runs as one autograd node whose inputs' gradients go straight to them, with the bits of the composed path in
+    the forward and every gradient: the weight gradients by the per-expert loop and as one K-grouped matmul; empty
+    slots and an idle expert included."""
+    from moe_shared import reference
+    from moe_torch.backends import grouped_mm
+
+    monkeypatch.setattr(grouped_mm, "K_GROUPED_DEVICES", ("cpu",) if k_grouped else ())
+    arrays, dy = random_case(23, T=11, H=16, I=12, E=6, k=3, bias=False, empty_fraction=0.2)
+    arrays["top_k_index"] = np.where(arrays["top_k_index"] == 4, -1, arrays["top_k_index"])
+    results = []
+    for fused in (True, False):
+        tensors = to_torch(arrays, dtype)
+        for name in trained:
+            tensors[name].requires_grad_()
+        with monkeypatch.context() as devices:
+            devices.setattr(grouped_mm, "TRAINING_STEP_DEVICES", ("cpu",) if fused else ())
+            out = experts_forward(**tensors, implementation="grouped_mm")
+        if fused:
+            assert type(out.grad_fn).__name__ == "_TrainingStepBackward"
+            leaves = {type(fn).__name__ for fn, _ in out.grad_fn.next_functions if fn is not None}
+            assert leaves == {"AccumulateGrad"}, leaves
+        else:
+            assert type(out.grad_fn).__name__ != "_TrainingStepBackward"
+        out.backward(to_torch({"g": dy}, dtype)["g"])
+        results.append([out.detach()] + [tensors[name].grad for name in trained])
+    for fused, composed in zip(*results):
+        np.testing.assert_array_equal(fused.float().numpy(), composed.float().numpy())
+    expected = reference.experts_backward(**arrays, grad_output=dy)
+    for name in trained:
+        assert_close(f"grad_{name}", results[0][1 + trained.index(name)].float(), expected[name], dtype)
+
+
 def test_batched_mm_gathers_in_cache_sized_chunks_but_at_most_max_chunks():
     """Compiled on the CPU, batched_mm gathers the weights of as many slots as fit CHUNK_BYTES per bmm, and in larger
     chunks where that would make more than MAX_CHUNKS (each chunk is a bmm in the compiled graph)."""

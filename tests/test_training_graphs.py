@@ -1,10 +1,13 @@
-"""Training graphs (moe_torch.graphs, MOE_TORCH_TRAINING_GRAPHS) on the CPU: batched_mm's training step through
-_GraphedTrainingStep, with test_graphs' stand-in for a CUDA graph (a replay runs the captured call again into the
-same output tensors) and test_slot_blas' stand-in for cuBLAS, so the step takes its CUDA way. Against the plain
+"""Training graphs (moe_torch.graphs, MOE_TORCH_TRAINING_GRAPHS) on the CPU: batched_mm's and grouped_mm's training
+steps through training_step._GraphedTrainingStep, with test_graphs' stand-in for a CUDA graph (a replay runs the
+captured call again into the same output tensors) and test_slot_blas' stand-in for cuBLAS, so each step takes its CUDA
+way. Against the plain
 training step: the same bits forward and backward, captures and replays counted, steps that interleave. On CUDA the
 same code captures real graphs (tests/device_graphs_check.py)."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -22,8 +25,8 @@ NAMES = ("hidden_states", "top_k_weights", "gate_up_proj", "down_proj")
 
 @pytest.fixture
 def cuda_way(monkeypatch, fake_cuda):  # noqa: F811
-    """batched_mm's training step on its CUDA way here: slot_blas on the cuBLAS stand-in, the sorted input
-    gradient and the K-grouped weight gradient; training graphs on for the CPU."""
+    """The training steps on their CUDA way here: batched_mm's slot_blas on the cuBLAS stand-in, its sorted input
+    gradient, the K-grouped weight gradients, grouped_mm's one-node step; training graphs on for the CPU."""
     monkeypatch.setattr(slot_blas, "DEVICES", ("cpu",))
     gemm = FakeGemmBatched()
     monkeypatch.setattr(slot_blas, "_gemm_batched", lambda: gemm)
@@ -31,8 +34,9 @@ def cuda_way(monkeypatch, fake_cuda):  # noqa: F811
     monkeypatch.setattr(batched_mm, "IN_PLACE_DEVICES", ())
     monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
     monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
+    monkeypatch.setattr(grouped_mm_backend, "TRAINING_STEP_DEVICES", ("cpu",))
     monkeypatch.setattr(graphs, "TRAINING_DEVICES", ("cpu",))
-    monkeypatch.setenv(graphs.TRAINING_VARIABLE, "auto")
+    monkeypatch.delenv(graphs.TRAINING_VARIABLE, raising=False)
     return fake_cuda
 
 
@@ -45,23 +49,30 @@ def _tensors(seed: int, T: int = 5, empty_fraction: float = 0.2, requires=NAMES)
     return tensors, torch.from_numpy(dy).bfloat16()
 
 
-def _step(tensors, dy):
-    out = moe_torch.experts_forward(**tensors, implementation="batched_mm")
+def _step(tensors, dy, backend="batched_mm"):
+    out = moe_torch.experts_forward(**tensors, implementation=backend)
     leaves = [tensors[n] for n in NAMES if tensors[n].requires_grad]
     return out, torch.autograd.grad(out, leaves, dy)
 
 
-def _plain(tensors, dy, monkeypatch):
+def _plain(tensors, dy, monkeypatch, backend="batched_mm"):
     with monkeypatch.context() as plain:
         plain.setenv(graphs.TRAINING_VARIABLE, "off")
-        return _step({n: t.detach().requires_grad_(t.requires_grad) for n, t in tensors.items()}, dy)
+        return _step({n: t.detach().requires_grad_(t.requires_grad) for n, t in tensors.items()}, dy, backend)
 
 
-@pytest.mark.parametrize("ordered_from", [0, 10**9, None], ids=["expert-order", "slot-order", "gathered"])
-def test_graphed_step_gives_the_plain_steps_bits(cuda_way, monkeypatch, ordered_from):
+BACKENDS = ("batched_mm", "grouped_mm")
+
+
+@pytest.mark.parametrize("backend, ordered_from", [("batched_mm", 0), ("batched_mm", 10**9), ("batched_mm", None),
+                                                   ("grouped_mm", None)],
+                         ids=["batched_mm-expert-order", "batched_mm-slot-order", "batched_mm-gathered",
+                              "grouped_mm"])
+def test_graphed_step_gives_the_plain_steps_bits(cuda_way, monkeypatch, backend, ordered_from):
     """Two graphs at the first step (forward, backward), none later, each replayed at every step; every step's
     output and gradients are the plain training step's bits, also with empty slots and for new inputs of the same
-    shapes; on the slot products in either order, and on gathered weights (where cuBLAS's way does not apply)."""
+    shapes; batched_mm's on the slot products in either order, and on gathered weights (where cuBLAS's way does not
+    apply)."""
     if ordered_from is None:
         monkeypatch.setattr(slot_blas, "DEVICES", ())
     else:
@@ -70,58 +81,66 @@ def test_graphed_step_gives_the_plain_steps_bits(cuda_way, monkeypatch, ordered_
     for seed in (3, 4, 5):  # new per-call inputs, the same weights: one signature
         tensors, dy = _tensors(seed)
         tensors.update(weights)
-        out, grads = _step(tensors, dy)
-        want_out, want_grads = _plain(tensors, dy, monkeypatch)
+        out, grads = _step(tensors, dy, backend)
+        assert type(out.grad_fn).__name__ == "_GraphedTrainingStepBackward"
+        want_out, want_grads = _plain(tensors, dy, monkeypatch, backend)
         assert torch.equal(out, want_out)
         for got, want in zip(grads, want_grads, strict=True):
             assert torch.equal(got, want)
     assert len(cuda_way) == 2 and [c.replays for c in cuda_way] == [3, 3]  # a replay per step
 
 
-def test_interleaved_steps_keep_their_own_values(cuda_way, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_interleaved_steps_keep_their_own_values(cuda_way, monkeypatch, backend):
     """Two forwards before their backwards (as with micro-batches or a recomputed layer): the backward makes the
     forward's values again from its own inputs, so each step's gradients are its own."""
     first, dy1 = _tensors(7)
     second, dy2 = _tensors(8)
     second.update({n: first[n] for n in ("gate_up_proj", "down_proj")})  # one signature: the same graphs
-    out1 = moe_torch.experts_forward(**first, implementation="batched_mm")
-    out2 = moe_torch.experts_forward(**second, implementation="batched_mm")
+    out1 = moe_torch.experts_forward(**first, implementation=backend)
+    out2 = moe_torch.experts_forward(**second, implementation=backend)
     grads2 = torch.autograd.grad(out2, [second[n] for n in NAMES], dy2)
     grads1 = torch.autograd.grad(out1, [first[n] for n in NAMES], dy1)
     assert len(cuda_way) == 2
     for tensors, dy, out, grads in ((first, dy1, out1, grads1), (second, dy2, out2, grads2)):
-        want_out, want_grads = _plain(tensors, dy, monkeypatch)
+        want_out, want_grads = _plain(tensors, dy, monkeypatch, backend)
         assert torch.equal(out, want_out)
         assert all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
 
 
-def test_each_set_of_needed_gradients_has_its_backward_graph(cuda_way, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_set_of_needed_gradients_has_its_backward_graph(cuda_way, monkeypatch, backend):
     tensors, dy = _tensors(9, requires=("hidden_states",))
-    out, (grad_x,) = _step(tensors, dy)
-    _, (want,) = _plain(tensors, dy, monkeypatch)
+    out, (grad_x,) = _step(tensors, dy, backend)
+    _, (want,) = _plain(tensors, dy, monkeypatch, backend)
     assert torch.equal(grad_x, want)
     tensors, dy = _tensors(9, requires=("gate_up_proj", "down_proj"))
-    _, grads = _step(tensors, dy)
-    _, want_grads = _plain(tensors, dy, monkeypatch)
+    _, grads = _step(tensors, dy, backend)
+    _, want_grads = _plain(tensors, dy, monkeypatch, backend)
     assert all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
     assert len(cuda_way) == 4  # a forward and a backward graph for each
 
 
-def test_the_weight_gradients_are_fresh_tensors(cuda_way):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_weight_gradients_are_fresh_tensors(cuda_way, backend):
     """The weight gradients are made outside the graphs: each step's are new tensors (autograd keeps them without
     a copy), while the graphs' own outputs stay where they are."""
     tensors, dy = _tensors(10)
-    grads = [_step(tensors, dy)[1] for _ in range(2)]
+    grads = [_step(tensors, dy, backend)[1] for _ in range(2)]
     for before, after in zip(*grads):
         assert before.data_ptr() != after.data_ptr()
 
 
-def test_off_by_default_and_where_a_bias_or_a_gate_callable_is_given(cuda_way, monkeypatch):
+def test_on_by_default_off_by_setting_and_where_a_bias_or_a_gate_callable_is_given(cuda_way, monkeypatch):
     tensors, dy = _tensors(11)
-    monkeypatch.delenv(graphs.TRAINING_VARIABLE)
+    monkeypatch.setenv(graphs.TRAINING_VARIABLE, "off")
     _step(tensors, dy)
     assert cuda_way == []
-    monkeypatch.setenv(graphs.TRAINING_VARIABLE, "auto")
+    monkeypatch.delenv(graphs.TRAINING_VARIABLE)
+    _step(tensors, dy)
+    assert len(cuda_way) == 2
+    graphs._GRAPHS.clear()
+    cuda_way.clear()
     with torch.no_grad():  # inference: the decode graph, not a training one
         moe_torch.experts_forward(**tensors, implementation="batched_mm")
     assert len(cuda_way) == 1
@@ -141,3 +160,31 @@ def test_a_second_derivative_raises(cuda_way):
     (grad_x,) = torch.autograd.grad(out, [tensors["hidden_states"]], dy, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         grad_x.float().sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_moved_between_forward_and_backward_are_a_new_signature(cuda_way, monkeypatch, backend):
+    """A weight whose memory moves between a step's forward and its backward (as a re-gathered weight's may) gets
+    a backward graph of its own, never one captured on the old address; the bits stay the plain step's."""
+    tensors, dy = _tensors(13)
+    _step(tensors, dy, backend)
+    assert len(cuda_way) == 2
+    out = moe_torch.experts_forward(**tensors, implementation=backend)
+    tensors["down_proj"].data = tensors["down_proj"].data.clone()
+    grads = torch.autograd.grad(out, [tensors[n] for n in NAMES], dy)
+    assert len(cuda_way) == 3
+    want_out, want_grads = _plain(tensors, dy, monkeypatch, backend)
+    assert torch.equal(out, want_out)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
+
+
+def test_dropping_graphs_for_want_of_room_warns_once(cuda_way, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(graphs, "_EVICTION_WARNED", [])
+    tensors, dy = _tensors(14)
+    with pytest.warns(RuntimeWarning, match="MAX_GRAPHS=1.*MOE_TORCH_TRAINING_GRAPHS=off"):
+        _step(tensors, dy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(tensors, dy)
+    assert len(graphs._GRAPHS) == 1

@@ -10,16 +10,15 @@ stay in cache (a few MB each, never one huge buffer). Training keeps no gathered
 expert's weight gradient as one matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient;
 on CUDA one K-grouped ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted
 rows, on the CPU through the forward's way again (in place, or gathered in chunks when compiled). Training with a named
-activation and no biases runs as one autograd node (``_TrainingStep``: the composed path's ops and bits, one node's host
-cost).
+activation and no biases runs as one autograd node (``moe_torch.training_step``: the composed path's ops and bits, one
+node's host cost), or within the decode bound on CUDA as training graphs.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .. import expert_rows, graphs, slot_blas
+from .. import expert_rows, slot_blas, training_step
 from ..base import (Slots, add_bias, as_dtype, combine, combine_grads, expert_ends, gate, gate_grad,
                     gate_with_activation, masked_weights, sort_keys, sum_over_k, takes_grad, unsort_rows)
 from .grouped_mm import grouped_linear, grouped_weight_grad
@@ -200,12 +199,12 @@ def _rows_on_kernel(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, slo
     return expert_rows.grouped_rows(x, table, slots, x_row, range(slots), [1] * slots, ids.tolist()).to(x.dtype)
 
 
-def _step_forward(x, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k, per_slot):
-    """The training step's forward: (the sum over k in float32, what its backward reads: the masked routing weights,
-    h = [g; u], act(g), a, y and the slots' expert order or None)."""
+def _step_forward(x, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k, needs):
+    """The training step's forward (``training_step.Step``): (the sum over k in float32, what its backward reads:
+    the masked routing weights, h = [g; u], act(g), a, y and the slots' expert order or None)."""
     E, H, I = down_proj.shape
     order = _entry_order(ids, x, gate_up_proj)
-    h = _token_products(x, gate_up_proj, ids, T, k, per_slot=per_slot, order=order)
+    h = _token_products(x, gate_up_proj, ids, T, k, per_slot=needs[0] or needs[2], order=order)
     act, a = gate_with_activation(h, activation, I)
     y = _slot_products(a, down_proj, ids, order=order).view(T, k, H)
     weights = masked_weights(top_k_weights.reshape(T, k), empty)
@@ -213,8 +212,9 @@ def _step_forward(x, top_k_weights, gate_up_proj, down_proj, ids, empty, activat
 
 
 def _step_backward(grad, x, gate_up_proj, down_proj, ids, empty, kept, activation, T, k, needs, hidden_dtype):
-    """The training step's backward up to its weight gradients: (d hidden_states, d routing weights [T, k], the
-    operands of d gate_up_proj and of d down_proj for ``_table_grad``), None where ``needs`` (those four) says so."""
+    """The training step's backward up to its weight gradients (``training_step.Step``): (d hidden_states, d routing
+    weights [T, k], the operands of d gate_up_proj and of d down_proj), None where ``needs`` says so. The slots are
+    sorted by expert once for both projections (in the forward where slot_blas orders its batch entries by expert)."""
     weights, h, act, a, y, order = kept
     need_x, need_weights, need_gate_up, need_down = needs
     E, H, I = down_proj.shape
@@ -239,100 +239,7 @@ def _step_backward(grad, x, gate_up_proj, down_proj, ids, empty, kept, activatio
     return grad_x, grad_weights, gate_up_operands, down_operands
 
 
-class _TrainingStep(torch.autograd.Function):
-    """The whole computation as one autograd node, for a string activation without biases: the same ops and the
-    same bits as the composed path (_first_projection, gate, _slot_linear, combine), with one node's host cost
-    instead of eight (training at decode is host-bound). Keeps h = [g; u], act(g), a and y [T*k, ...] (no per-slot
-    copy of x); sorts the slots by expert once for both projections (in the forward where slot_blas orders its
-    batch entries by expert, else in the backward)."""
-
-    @staticmethod
-    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k):
-        x = as_dtype(hidden_states, gate_up_proj.dtype)
-        need_x, _, need_gate_up = ctx.needs_input_grad[:3]
-        out, kept = _step_forward(x, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k,
-                                  per_slot=need_x or need_gate_up)
-        ctx.save_for_backward(x, gate_up_proj, down_proj, ids, empty, *kept)
-        ctx.step = (activation, T, k, hidden_states.dtype, top_k_weights.shape)
-        return out.to(hidden_states.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, gate_up_proj, down_proj, ids, empty, *kept = ctx.saved_tensors
-        activation, T, k, hidden_dtype, weights_shape = ctx.step
-        grad_x, grad_weights, gate_up_operands, down_operands = _step_backward(
-            grad, x, gate_up_proj, down_proj, ids, empty, kept, activation, T, k, ctx.needs_input_grad[:4],
-            hidden_dtype)
-        if grad_weights is not None:
-            grad_weights = grad_weights.reshape(weights_shape)
-        return (grad_x, grad_weights, _table_grad(gate_up_operands), _table_grad(down_operands), None, None, None,
-                None, None)
-
-
-def _graph_step_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, needs):
-    """``_TrainingStep``'s forward from the call's own inputs (as a training graph captures it): (its routing ids,
-    empty slots and x, its output, what its backward reads)."""
-    slots = Slots(top_k_index, down_proj.shape[0])
-    empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
-    x = as_dtype(hidden_states, gate_up_proj.dtype)
-    out, kept = _step_forward(x, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty, activation, slots.T,
-                              slots.k, per_slot=needs[0] or needs[2])
-    return (slots.safe_ids, empty, x), out.to(hidden_states.dtype), kept
-
-
-def _graph_backward(hidden_states, top_k_index, top_k_weights, grad, gate_up_proj, down_proj, activation, needs):
-    """The training step's backward from the call's own inputs and the output gradient, as a training graph captures
-    it: the forward made again (the same kernels, so the same bits), then the backward up to the weight gradients:
-    (d hidden_states, d routing weights [T, k], the sorted rows of the output gradient and of the input of the
-    gate/up projection, then of the down projection, the experts' end rows), None where not needed."""
-    (ids, empty, x), _, kept = _graph_step_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                                   activation, needs)
-    T, k = top_k_index.shape
-    grad_x, grad_weights, gate_up_operands, down_operands = _step_backward(
-        grad, x, gate_up_proj, down_proj, ids, empty, kept, activation, T, k, needs, hidden_states.dtype)
-    offs = next((operands[2] for operands in (gate_up_operands, down_operands) if operands is not None), None)
-    return (grad_x, grad_weights, *(gate_up_operands or (None,) * 2)[:2], *(down_operands or (None,) * 2)[:2],
-            offs)
-
-
-class _GraphedTrainingStep(torch.autograd.Function):
-    """``_TrainingStep`` with its forward and its backward (up to the weight gradients) replayed as CUDA graphs
-    (``moe_torch.graphs.replay``): a few copies and two replays a step instead of dozens of launches (training at
-    decode is host-bound). Keeps only the call's own inputs, no graph buffer: the backward's graph makes the
-    forward's values again from them, so steps may interleave (several forwards before their backwards). The weight
-    gradients are made outside the graphs, fresh tensors autograd can keep without a copy. The same bits as
-    ``_TrainingStep``."""
-
-    @staticmethod
-    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, activation, key):
-        ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index)
-        ctx.step = (activation, key)
-        needs = tuple(ctx.needs_input_grad[:4])
-
-        def call(hidden_states, top_k_index, top_k_weights):
-            return _graph_step_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                       activation, needs)[1]
-        return graphs.run(key + ("forward", needs), call, (hidden_states, top_k_index, top_k_weights))
-
-    @staticmethod
-    @once_differentiable  # a graph's replay is not differentiated: a second derivative raises, never silently zero
-    def backward(ctx, grad):
-        hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index = ctx.saved_tensors
-        activation, key = ctx.step
-        needs = tuple(ctx.needs_input_grad[:4])
-
-        def call(hidden_states, top_k_index, top_k_weights, grad):
-            return _graph_backward(hidden_states, top_k_index, top_k_weights, grad, gate_up_proj, down_proj,
-                                   activation, needs)
-        grad_x, grad_weights, gate_up_rows, gate_up_in, down_rows, down_in, offs = graphs.replay(
-            key + ("backward", needs), call, (hidden_states, top_k_index, top_k_weights, grad.contiguous()))
-        E = down_proj.shape[0]
-        # read before the graph's next replay: launched now, on this stream
-        grad_gate_up = None if gate_up_rows is None else grouped_weight_grad(gate_up_rows, gate_up_in, offs, E)
-        grad_down = None if down_rows is None else grouped_weight_grad(down_rows, down_in, offs, E)
-        return (None if grad_x is None else grad_x.clone(),
-                None if grad_weights is None else grad_weights.reshape(top_k_weights.shape).clone(),
-                grad_gate_up, grad_down, None, None, None)
+STEP = training_step.Step(_step_forward, _step_backward, grouped_weight_grad)
 
 
 def _per_slot(x: torch.Tensor, T: int, k: int) -> torch.Tensor:
@@ -344,15 +251,8 @@ def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
                     activation="silu", gate_up_bias=None, down_bias=None):
     if (isinstance(activation, str) and gate_up_bias is None and down_bias is None
             and takes_grad(hidden_states, top_k_weights, gate_up_proj, down_proj)):
-        if graphs.training_wanted(NAME, activation, hidden_states, top_k_index, gate_up_proj, down_proj):
-            key = graphs.training_key(NAME, activation, (hidden_states, top_k_index, top_k_weights),
-                                      (gate_up_proj, down_proj))
-            return _GraphedTrainingStep.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index,
-                                              activation, key)
-        slots = Slots(top_k_index, down_proj.shape[0])
-        empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
-        return _TrainingStep.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty,
-                                   activation, slots.T, slots.k)
+        return training_step.apply(STEP, NAME, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                   activation)
     slots = Slots(top_k_index, down_proj.shape[0])
     return _composed_forward(hidden_states, slots, top_k_weights, gate_up_proj, down_proj, activation, gate_up_bias,
                              down_bias)

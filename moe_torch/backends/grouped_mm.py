@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import expert_rows
-from ..base import (RowGather, Slots, TokenRows, combine, combine_sorted, cpu_buffer, expert_ends, gate,
-                    sort_by_expert, takes_grad)
+from .. import expert_rows, training_step
+from ..base import (RowGather, Slots, TokenRows, as_dtype, combine, combine_grads, combine_sorted, cpu_buffer,
+                    expert_ends, gate, gate_grad, gate_with_activation, masked_weights, sort_by_expert, sort_keys,
+                    sum_over_k, takes_grad)
 
 NAME = "grouped_mm"
 # F.grouped_mm's dtypes per device that pass every shared vector of that dtype (on CUDA float32 and float16 checked
@@ -26,6 +27,9 @@ NATIVE_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
 _COMPILED_NATIVE_DTYPES = (torch.bfloat16,)  # what inductor lowers grouped_mm for
 _ALIGN = 16  # bytes: grouped_mm needs 16-byte aligned strides and base pointers
 K_GROUPED_DEVICES = ("cuda",)  # grouped_weight_grad as one F.grouped_mm (on the CPU the per-expert loop is faster)
+# devices where training with a named activation and no biases runs as one autograd node (``training_step``), outside
+# torch.compile; elsewhere autograd records the composed path's nodes
+TRAINING_STEP_DEVICES = ("cuda",)
 
 
 def _aligned(t: torch.Tensor, *dims: int) -> bool:
@@ -244,8 +248,55 @@ class _Permute(RowGather):
         return grad.index_select(0, inverse), None, None
 
 
+def _step_forward(x, top_k_weights, gate_up_proj, down_proj, ids, empty, activation, T, k, needs):
+    """The training step's forward (``training_step.Step``), the composed path's ops: (the sum over k in float32,
+    what its backward reads: the masked routing weights, each sorted row's slot, each slot's sorted row, the experts'
+    end rows, the sorted rows of x, h = [g; u], act(g), a, and y back in slot order)."""
+    E, H, I = down_proj.shape
+    keys = ids if empty is None else ids.masked_fill(empty.view(-1), E)  # empty slots sort last
+    sorted_ids, order, restore = sort_keys(keys)
+    offs = expert_ends(sorted_ids, E)
+    rows = TokenRows.rows(x, torch.div(order, k, rounding_mode="floor"))
+    h = grouped_linear(rows, gate_up_proj, offs)
+    act, a = gate_with_activation(h, activation, I)
+    y = _Permute.rows(grouped_linear(a, down_proj, offs), restore).view(T, k, H)
+    weights = masked_weights(top_k_weights.reshape(T, k), empty)
+    return sum_over_k(y, weights, empty), (weights, order, restore, offs, rows, h, act, a, y)
+
+
+def _step_backward(grad, x, gate_up_proj, down_proj, ids, empty, kept, activation, T, k, needs, hidden_dtype):
+    """The training step's backward up to its weight gradients (``training_step.Step``), the composed path's
+    backward ops: (d hidden_states, d routing weights [T, k], the operands of d gate_up_proj and of d down_proj),
+    None where ``needs`` says so."""
+    weights, order, restore, offs, rows, h, act, a, y = kept
+    need_x, need_weights, need_gate_up, need_down = needs
+    E, H, I = down_proj.shape
+    grad_y, grad_weights = combine_grads(grad, y, weights, empty, need_x or need_gate_up or need_down, need_weights)
+    grad_x = gate_up_operands = down_operands = None
+    if grad_y is not None:
+        grad_y = grad_y.view(T * k, H).index_select(0, order)  # in expert order
+        down_operands = (grad_y, a, offs, E) if need_down else None
+        if need_x or need_gate_up:
+            grad_h = gate_grad(grouped_linear(grad_y, down_proj.transpose(1, 2), offs), h, act, activation, I)
+            gate_up_operands = (grad_h, rows, offs, E) if need_gate_up else None
+            if need_x:  # TokenRows' backward: back to slot order, empty slots dropped, summed over k in float32
+                per_slot = grouped_linear(grad_h, gate_up_proj.transpose(1, 2), offs).index_select(0, restore)
+                if empty is not None:
+                    per_slot.masked_fill_(empty.view(-1, 1), 0)
+                grad_x = as_dtype(per_slot.view(T, k, -1).sum(1), hidden_dtype)
+    return grad_x, grad_weights, gate_up_operands, down_operands
+
+
+STEP = training_step.Step(_step_forward, _step_backward, grouped_weight_grad)
+
+
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
+    if (isinstance(activation, str) and gate_up_bias is None and down_bias is None
+            and hidden_states.device.type in TRAINING_STEP_DEVICES and not torch.compiler.is_compiling()
+            and takes_grad(hidden_states, top_k_weights, gate_up_proj, down_proj)):
+        return training_step.apply(STEP, NAME, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                   activation)
     E, H, I = down_proj.shape
     slots = Slots(top_k_index, E)
     differentiated = takes_grad(hidden_states, gate_up_proj, down_proj, gate_up_bias, down_bias)
