@@ -63,6 +63,21 @@ def test_vectors_forward_and_gradients(backend, case):
         assert_close(f"grad_{name}", g.float(), case.expected[f"grad_{name}"], case.dtype)
 
 
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_vectors_through_grouped_mm_training_step(case, monkeypatch):
+    """Every shared vector through grouped_mm's one-node training step (CUDA's way, here on the CPU): T=0, empty
+    slots and idle experts included; biases and gate callables keep the composed path."""
+    monkeypatch.setattr(grouped_mm_backend, "TRAINING_STEP_DEVICES", ("cpu",))
+    tensors = to_torch(case.inputs, case.dtype, requires_grad=True)
+    dy = to_torch({"g": case.grad_output}, case.dtype)["g"]
+    out, grads = run(tensors, "grouped_mm", case.activation, grad_output=dy)
+    one_node = isinstance(case.activation, str) and "gate_up_bias" not in case.inputs
+    assert (type(out.grad_fn).__name__ == "_TrainingStepBackward") == one_node
+    assert_close("out", out.detach().float(), case.expected["out"], case.dtype)
+    for name, g in grads.items():
+        assert_close(f"grad_{name}", g.float(), case.expected[f"grad_{name}"], case.dtype)
+
+
 def _strided(t: torch.Tensor) -> torch.Tensor:
     """Same values, other strides: a view into a larger buffer with a step of 2 on every axis and transposed
     storage order."""

@@ -283,7 +283,7 @@ def _step_backward(grad, x, gate_up_proj, down_proj, ids, empty, kept, activatio
                 per_slot = grouped_linear(grad_h, gate_up_proj.transpose(1, 2), offs).index_select(0, restore)
                 if empty is not None:
                     per_slot.masked_fill_(empty.view(-1, 1), 0)
-                grad_x = as_dtype(per_slot.view(T, k, -1).sum(1), hidden_dtype)
+                grad_x = as_dtype(per_slot.view(T, k, x.shape[1]).sum(1), hidden_dtype)
     return grad_x, grad_weights, gate_up_operands, down_operands
 
 
