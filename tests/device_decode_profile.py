@@ -12,7 +12,8 @@ by self time). Decode graphs (moe_torch.graphs) apply to ours as to any call. Pa
   [k*N, K] matrix times the token's row (the form used today at one chunk), one [N, K] matrix per slot times the
   slot's row (transformers' form), and at T=1 one ``F.linear`` on the gathered [k*N, K] matrix;
 - training (forward, then the gradients of the hidden states, routing weights and both weight tensors), ours and
-  transformers' ``batched_mm`` and ``grouped_mm``.
+  transformers' ``batched_mm`` and ``grouped_mm``; and compiled (``torch.compile(fullgraph=True, mode=--compile-mode)``
+  around the experts call, compiled when the path is first chosen), ``... compiled``.
 Writes DIR/decode-profile.json and prints a table.
 """
 
@@ -117,7 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", default="1,4,16,64")
-    parser.add_argument("--paths", default="", help="comma-separated path names to run (default: all)")
+    parser.add_argument("--paths", default="", help="comma-separated path names to run (default: all uncompiled)")
+    parser.add_argument("--compile-mode", default="max-autotune")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -169,8 +171,14 @@ def main() -> None:
         if tokens == 1:
             paths["first projection, F.linear on k matrices"] = inference(
                 lambda: F.linear(x, gate_up[ids].reshape(K * 2 * I, H)))
+        uncompiled = list(paths)
+        for backend in ("batched_mm", "grouped_mm"):
+            for who, forward in (("ours", lambda *a, b=backend: moe_torch.experts_forward(
+                    *a, implementation=b, validate=False)), ("transformers", theirs[backend])):
+                paths[f"train {who} {backend} compiled"] = training(
+                    torch.compile(forward, fullgraph=True, mode=args.compile_mode))
         point = {}
-        chosen = [name for name in args.paths.split(",") if name] or list(paths)
+        chosen = [name for name in args.paths.split(",") if name] or uncompiled
         for name, call in ((name, paths[name]) for name in chosen):
             ms, host_ms, launch_ms = timed(call)
             point[name] = {"ms": round(ms, 4), "host_ms": round(host_ms, 4), "launch_ms": round(launch_ms, 4),
