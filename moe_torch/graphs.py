@@ -145,12 +145,13 @@ def replay(key: tuple, call: Callable, inputs: tuple[torch.Tensor, ...]):
     return entry.output
 
 
-_EVICTION_WARNED = []
+_warned_of_eviction = False
 
 
 def _warn_evicting() -> None:
-    if not _EVICTION_WARNED:
-        _EVICTION_WARNED.append(True)
+    global _warned_of_eviction
+    if not _warned_of_eviction:
+        _warned_of_eviction = True
         warnings.warn(f"moe_torch: more than MAX_GRAPHS={MAX_GRAPHS} graph signatures; the least recently used are "
                       f"dropped and captured again when called (each capture costs a warm-up call). Weights that move "
                       f"to new memory at every step (re-gathered or re-allocated) make a new signature each time: "

@@ -25,7 +25,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import graphs
-from .base import Slots, as_dtype
+from .base import Slots, as_dtype, takes_grad
 
 
 class Step(NamedTuple):
@@ -38,6 +38,12 @@ class Step(NamedTuple):
     backward: Callable  # (grad, x, gate_up_proj, down_proj, ids, empty, kept, activation, T, k, needs, hidden_dtype)
     # -> (d hidden_states, d routing weights [T, k], gate_up_proj's operands, down_proj's operands)
     weight_grad: Callable  # (rows, inputs, offs, E) -> [E, N, K]
+
+
+def wanted(activation, gate_up_bias, down_bias, *tensors: torch.Tensor) -> bool:
+    """Whether a call runs as a training step: a named activation, no biases, and a tensor of ``tensors`` taking
+    gradients."""
+    return isinstance(activation, str) and gate_up_bias is None and down_bias is None and takes_grad(*tensors)
 
 
 def apply(step: Step, name: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

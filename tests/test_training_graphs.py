@@ -180,7 +180,7 @@ def test_weights_moved_between_forward_and_backward_are_a_new_signature(cuda_way
 
 def test_dropping_graphs_for_want_of_room_warns_once(cuda_way, monkeypatch):
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 1)
-    monkeypatch.setattr(graphs, "_EVICTION_WARNED", [])
+    monkeypatch.setattr(graphs, "_warned_of_eviction", False)
     tensors, dy = _tensors(14)
     with pytest.warns(RuntimeWarning, match="MAX_GRAPHS=1.*MOE_TORCH_TRAINING_GRAPHS=off"):
         _step(tensors, dy)

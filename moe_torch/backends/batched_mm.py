@@ -249,8 +249,8 @@ def _per_slot(x: torch.Tensor, T: int, k: int) -> torch.Tensor:
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
-    if (isinstance(activation, str) and gate_up_bias is None and down_bias is None
-            and takes_grad(hidden_states, top_k_weights, gate_up_proj, down_proj)):
+    if training_step.wanted(activation, gate_up_bias, down_bias, hidden_states, top_k_weights, gate_up_proj,
+                            down_proj):
         return training_step.apply(STEP, NAME, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                    activation)
     slots = Slots(top_k_index, down_proj.shape[0])

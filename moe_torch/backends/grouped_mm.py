@@ -6,7 +6,9 @@ inference with few rows per expert, the CPU row kernel (``moe_torch.expert_rows`
 ``moe_torch::eager_grouped_linear``). All are per-expert matmuls; the
 combine is a gather back to slot order and a sum over k (no atomics on any device). The backward has no atomics
 either: the row gathers carry their own gradients (a per-token sum over k in float32, a per-expert bias
-sum as a one-hot matmul, the inverse permutation), so it gives the same bits on every run.
+sum as a one-hot matmul, the inverse permutation), so it gives the same bits on every run. On CUDA, uncompiled,
+training with a named activation and no biases runs those same ops as one autograd node (``moe_torch.training_step``;
+the weight gradients as K-grouped matmuls), or within the decode bound as training graphs.
 """
 
 from __future__ import annotations
@@ -292,9 +294,9 @@ STEP = training_step.Step(_step_forward, _step_backward, grouped_weight_grad)
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
                     activation="silu", gate_up_bias=None, down_bias=None):
-    if (isinstance(activation, str) and gate_up_bias is None and down_bias is None
-            and hidden_states.device.type in TRAINING_STEP_DEVICES and not torch.compiler.is_compiling()
-            and takes_grad(hidden_states, top_k_weights, gate_up_proj, down_proj)):
+    if (hidden_states.device.type in TRAINING_STEP_DEVICES and not torch.compiler.is_compiling()
+            and training_step.wanted(activation, gate_up_bias, down_bias, hidden_states, top_k_weights, gate_up_proj,
+                                     down_proj)):
         return training_step.apply(STEP, NAME, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                    activation)
     E, H, I = down_proj.shape
