@@ -664,26 +664,35 @@ def test_batched_mm_training_step_is_one_node_with_the_composed_bits(trained, pa
         monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
     if path == "chunked":
         monkeypatch.setitem(batched_mm.CHUNK_BYTES, "cpu", 3 * 24 * 16 * 4)  # three slots' weights per bmm
-    arrays, dy = random_case(19, T=11, H=16, I=12, E=6, k=3, bias=False, empty_fraction=0.2)
+    def forward(tensors, fused):
+        if fused:
+            return experts_forward(**tensors, implementation="batched_mm")
+        slots = base.Slots(tensors.pop("top_k_index"), tensors["down_proj"].shape[0])
+        return batched_mm._composed_forward(tensors["hidden_states"], slots, tensors["top_k_weights"],
+                                            tensors["gate_up_proj"], tensors["down_proj"], "silu", None, None)
+    _one_node_has_the_composed_bits(19, dtype, trained, forward)
+
+
+def _one_node_has_the_composed_bits(seed, dtype, trained, forward):
+    """``forward(tensors, fused)`` with ``fused`` (one node, whose inputs' gradients go straight to them) and without:
+    the same output and gradients bit for bit, empty slots and an idle expert included; the fused run's results."""
+    arrays, dy = random_case(seed, T=11, H=16, I=12, E=6, k=3, bias=False, empty_fraction=0.2)
     arrays["top_k_index"] = np.where(arrays["top_k_index"] == 4, -1, arrays["top_k_index"])
     results = []
     for fused in (True, False):
         tensors = to_torch(arrays, dtype)
         for name in trained:
             tensors[name].requires_grad_()
+        out = forward(dict(tensors), fused)
+        assert (type(out.grad_fn).__name__ == "_TrainingStepBackward") == fused
         if fused:
-            out = experts_forward(**tensors, implementation="batched_mm")
-            assert type(out.grad_fn).__name__ == "_TrainingStepBackward"
             leaves = {type(fn).__name__ for fn, _ in out.grad_fn.next_functions if fn is not None}
             assert leaves == {"AccumulateGrad"}, leaves
-        else:
-            slots = base.Slots(tensors.pop("top_k_index"), arrays["down_proj"].shape[0])
-            out = batched_mm._composed_forward(tensors["hidden_states"], slots, tensors["top_k_weights"],
-                                               tensors["gate_up_proj"], tensors["down_proj"], "silu", None, None)
         out.backward(to_torch({"g": dy}, dtype)["g"])
         results.append([out.detach()] + [tensors[name].grad for name in trained])
     for fused, composed in zip(*results):
         np.testing.assert_array_equal(fused.float().numpy(), composed.float().numpy())
+    return arrays, dy, results[0]
 
 
 @pytest.mark.parametrize("trained", _TRAINED_SETS, ids=lambda t: "+".join(t))
@@ -698,29 +707,15 @@ def test_grouped_mm_training_step_is_one_node_with_the_composed_bits(trained, k_
     from moe_torch.backends import grouped_mm
 
     monkeypatch.setattr(grouped_mm, "K_GROUPED_DEVICES", ("cpu",) if k_grouped else ())
-    arrays, dy = random_case(23, T=11, H=16, I=12, E=6, k=3, bias=False, empty_fraction=0.2)
-    arrays["top_k_index"] = np.where(arrays["top_k_index"] == 4, -1, arrays["top_k_index"])
-    results = []
-    for fused in (True, False):
-        tensors = to_torch(arrays, dtype)
-        for name in trained:
-            tensors[name].requires_grad_()
+
+    def forward(tensors, fused):
         with monkeypatch.context() as devices:
             devices.setattr(grouped_mm, "TRAINING_STEP_DEVICES", ("cpu",) if fused else ())
-            out = experts_forward(**tensors, implementation="grouped_mm")
-        if fused:
-            assert type(out.grad_fn).__name__ == "_TrainingStepBackward"
-            leaves = {type(fn).__name__ for fn, _ in out.grad_fn.next_functions if fn is not None}
-            assert leaves == {"AccumulateGrad"}, leaves
-        else:
-            assert type(out.grad_fn).__name__ != "_TrainingStepBackward"
-        out.backward(to_torch({"g": dy}, dtype)["g"])
-        results.append([out.detach()] + [tensors[name].grad for name in trained])
-    for fused, composed in zip(*results):
-        np.testing.assert_array_equal(fused.float().numpy(), composed.float().numpy())
+            return experts_forward(**tensors, implementation="grouped_mm")
+    arrays, dy, fused = _one_node_has_the_composed_bits(23, dtype, trained, forward)
     expected = reference.experts_backward(**arrays, grad_output=dy)
     for name in trained:
-        assert_close(f"grad_{name}", results[0][1 + trained.index(name)].float(), expected[name], dtype)
+        assert_close(f"grad_{name}", fused[1 + trained.index(name)].float(), expected[name], dtype)
 
 
 def test_batched_mm_gathers_in_cache_sized_chunks_but_at_most_max_chunks():
