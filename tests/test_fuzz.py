@@ -459,6 +459,28 @@ def test_batched_mm_slot_products_match_the_reference(params):
     assert bool(gemm.calls) == (problem.params["T"] > 0 and params["layout"] != "step")
 
 
+@fuzz(SLOT_EXAMPLES)
+@given(params=problem_params())
+@example(params=_params(T=0, H=8, I=8, E=3, k=2))
+def test_grouped_mm_training_step_matches_the_reference(params):
+    """torch ``grouped_mm`` with its CUDA way in training (one autograd node, ``moe_torch.training_step``; the
+    weight gradients as K-grouped matmuls) here on the CPU: forward and every gradient; biases and gate callables
+    keep the composed path."""
+    from moe_torch import training_step
+    from moe_torch.backends import grouped_mm
+    problem = build_problem(params)
+    if problem.activation in CUSTOM_GATES:
+        return
+    steps, apply = [], training_step.apply
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grouped_mm, "TRAINING_STEP_DEVICES", ("cpu",))
+        patch.setattr(grouped_mm, "K_GROUPED_DEVICES", ("cpu",))
+        patch.setattr(training_step, "apply", lambda *a: steps.append(1) or apply(*a))
+        results = torch_results(problem, "grouped_mm")
+    check_close(problem, results, problem.expected, "torch grouped_mm (training step)")
+    assert len(steps) == (not params["bias"])
+
+
 # --- JAX --------------------------------------------------------------------------------------------------------
 
 def jax_inputs(problem: Problem) -> dict:
