@@ -41,17 +41,32 @@ VARIABLE = "MOE_TORCH_GRAPHS"
 TRAINING_VARIABLE = "MOE_TORCH_TRAINING_GRAPHS"
 TRAINING_DEVICES = ("cuda",)
 MAX_GRAPHS = 256
+FOREACH_COPIES = True  # a call's inputs into a graph's buffers as one multi-tensor copy per dtype
 _SETTINGS = ("auto", "off")
 
 
 class _Graph:
-    """A captured call: the graph, the buffers it reads its per-call inputs from, and what it writes (the call's
-    result: a tensor, or a tuple of tensors and Nones)."""
+    """A captured call: the graph, the buffers it reads its per-call inputs from (grouped by dtype, one
+    multi-tensor copy per group: fewer launches per call), and what it writes (the call's result: a tensor, or a
+    tuple of tensors and Nones)."""
 
-    __slots__ = ("graph", "inputs", "output")
+    __slots__ = ("graph", "inputs", "output", "copy_groups")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple[torch.Tensor, ...], output):
         self.graph, self.inputs, self.output = graph, inputs, output
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, buffer in enumerate(inputs):
+            groups.setdefault(buffer.dtype, []).append(i)
+        self.copy_groups = tuple(tuple(group) for group in groups.values())
+
+    def take(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Copy a call's inputs into the graph's buffers."""
+        for group in self.copy_groups:
+            if len(group) == 1 or not FOREACH_COPIES:
+                for i in group:
+                    self.inputs[i].copy_(inputs[i])
+            else:
+                torch._foreach_copy_([self.inputs[i] for i in group], [inputs[i] for i in group])
 
 
 _GRAPHS: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: the capture failed, the call runs plainly
@@ -139,8 +154,7 @@ def replay(key: tuple, call: Callable, inputs: tuple[torch.Tensor, ...]):
         _GRAPHS.move_to_end(key)
     if entry is None:
         return call(*inputs)
-    for buffer, t in zip(entry.inputs, inputs):
-        buffer.copy_(t)
+    entry.take(inputs)
     entry.graph.replay()
     return entry.output
 
