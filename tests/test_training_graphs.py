@@ -188,3 +188,24 @@ def test_dropping_graphs_for_want_of_room_warns_once(cuda_way, monkeypatch):
         warnings.simplefilter("error")
         _step(tensors, dy)
     assert len(graphs._GRAPHS) == 1
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_plain_steps_bits(cuda_way, monkeypatch, reentrant):
+    """Under torch.utils.checkpoint the forward runs again in the backward (without gradients first where the
+    checkpoint is reentrant: a decode graph then, a training graph in the recomputation): the gradients are the
+    plain step's."""
+    tensors, dy = _tensors(15)
+
+    def checkpointed(tensors):
+        def forward(x, w, gate_up, down):
+            return moe_torch.experts_forward(x, tensors["top_k_index"], w, gate_up, down,
+                                             implementation="grouped_mm")
+        return torch.utils.checkpoint.checkpoint(forward, *(tensors[n] for n in NAMES), use_reentrant=reentrant)
+    out = checkpointed(tensors)
+    out.backward(dy)  # (a reentrant checkpoint takes no autograd.grad)
+    grads = [tensors[n].grad for n in NAMES]
+    assert len(cuda_way) >= 2
+    want_out, want_grads = _plain(tensors, dy, monkeypatch, "grouped_mm")
+    assert torch.equal(out, want_out)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
