@@ -18,8 +18,9 @@ MAX_GRAPHS graphs are kept (the least recently used goes first); ``release()`` d
 once should turn it off.
 
 Training graphs (``MOE_TORCH_TRAINING_GRAPHS``: ``auto`` by default, ``off`` never): a backend's training step within
-the same bound (``batched_mm``'s and ``grouped_mm``'s: a named activation without biases) replays its forward and its
-backward up to the weight gradients as two graphs of this pool (``replay``); see ``moe_torch.training_step``.
+the spec's ``training_graphs`` bound (``batched_mm``'s and ``grouped_mm``'s: a named activation without biases)
+replays its forward and its backward up to the weight gradients as two graphs of this pool (``replay``); see
+``moe_torch.training_step``.
 """
 
 from __future__ import annotations
@@ -85,13 +86,15 @@ def enabled() -> bool:
 
 
 def allowed(implementation: str, activation, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-            slots: int) -> bool:
+            slots: int, training: bool = False) -> bool:
     """Whether calls of this signature may run as graphs: a named activation, and at most the expert weights (T*k
-    slots times one expert's) that the backend's spec entry allows on this device class."""
+    slots times one expert's) that the backend's spec entry allows on this device class (``graphs``, or
+    ``training_graphs`` for a training step)."""
     backend = load_spec().backends.get(implementation)
     if backend is None or "torch" not in backend.frameworks:
         return False
-    limit_mib = backend.frameworks["torch"].graphs.get(device_class(gate_up_proj.device), 0)
+    support = backend.frameworks["torch"]
+    limit_mib = (support.training_graphs if training else support.graphs).get(device_class(gate_up_proj.device), 0)
     expert_bytes = (math.prod(gate_up_proj.shape[1:]) + math.prod(down_proj.shape[1:])) * gate_up_proj.element_size()
     return isinstance(activation, str) and 0 < slots * expert_bytes <= limit_mib << 20
 
@@ -99,13 +102,13 @@ def allowed(implementation: str, activation, gate_up_proj: torch.Tensor, down_pr
 def training_wanted(implementation: str, activation, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
     """Whether a training call runs its step as training graphs: the setting on, a device of TRAINING_DEVICES,
-    outside torch.compile and outside a capture of the caller's, within the signature's bound (``allowed``)."""
+    outside torch.compile and outside a capture of the caller's, within the spec's training bound (``allowed``)."""
     if not _setting(TRAINING_VARIABLE, "auto") or hidden_states.device.type not in TRAINING_DEVICES:
         return False
     if torch.compiler.is_compiling() or (hidden_states.device.type == "cuda"
                                          and torch.cuda.is_current_stream_capturing()):
         return False
-    return allowed(implementation, activation, gate_up_proj, down_proj, top_k_index.numel())
+    return allowed(implementation, activation, gate_up_proj, down_proj, top_k_index.numel(), training=True)
 
 
 def training_key(implementation: str, activation: str, per_call: tuple[torch.Tensor, ...],

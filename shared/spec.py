@@ -53,6 +53,8 @@ class FrameworkSupport:
     multiples: Mapping[str, int] = field(default_factory=dict)  # dimension (H, I, ...) -> what it must divide by
     # device class -> the most expert weights (MiB) an inference call may read and replay a captured graph (torch)
     graphs: Mapping[str, int] = field(default_factory=dict)
+    # device class -> the same for a training step replayed as two graphs (torch; none: never)
+    training_graphs: Mapping[str, int] = field(default_factory=dict)
 
     def check_dtype(self, backend: str, dtype: str) -> None:
         """Raise ValueError if the weights' ``dtype`` is not one this backend takes."""
@@ -123,7 +125,7 @@ class Spec:
 
 
 _KNOWN_SUPPORT_KEYS = {"devices", "dtypes", "quantized", "requires", "compile", "jit", "activations", "training",
-                       "multiples", "graphs"}
+                       "multiples", "graphs", "training_graphs"}
 _BACKEND_KEYS = {"description", "data_dependent", *FRAMEWORKS}
 _CHECKED_REQUIREMENTS = {"packages", "compute_capability", "nvcc", "abi", "versions", "hub"}
 
@@ -169,6 +171,7 @@ def _support(framework: str, raw: Mapping[str, Any], distributions: Mapping[str,
         training=bool(raw.get("training", True)),
         multiples=MappingProxyType(dict(raw.get("multiples", {}))),
         graphs=MappingProxyType({k: int(v) for k, v in raw.get("graphs", {}).items()}),
+        training_graphs=MappingProxyType({k: int(v) for k, v in raw.get("training_graphs", {}).items()}),
         details=MappingProxyType({k: v for k, v in raw.items() if k not in _KNOWN_SUPPORT_KEYS}),
     )
 

@@ -16,6 +16,7 @@ import moe_torch
 from moe_shared import ArrayInfo
 from moe_shared.spec import load_spec, parse_spec
 from moe_torch import api, graphs
+from moe_torch import backends as moe_backends
 
 E, H, I, K = 4, 16, 8, 2
 
@@ -59,7 +60,10 @@ def _spec_with_graphs_on_cpu():
         if torch_support is not None and torch_support.graphs:
             frameworks = dict(backend.frameworks)
             frameworks["torch"] = dataclasses.replace(
-                torch_support, graphs={**torch_support.graphs, "cpu": torch_support.graphs["cuda"]})
+                torch_support, graphs={**torch_support.graphs, "cpu": torch_support.graphs["cuda"]},
+                training_graphs={**torch_support.training_graphs,
+                                 **({"cpu": torch_support.training_graphs["cuda"]}
+                                    if "cuda" in torch_support.training_graphs else {})})
             backends[name] = dataclasses.replace(backend, frameworks=frameworks)
     return dataclasses.replace(spec, backends=backends)
 
@@ -95,20 +99,28 @@ def test_the_spec_declares_graphs_for_the_capturable_backends_on_cuda_only():
     assert declared == {"batched_mm": {"cuda": 8192}, "grouped_mm": {"cuda": 8192}, "triton": {"cuda": 8192}}
     for name in declared:
         assert not spec.backends[name].data_dependent  # no host sync: capturable
-    assert all(not support.graphs for backend in spec.backends.values()
+    assert all(not support.graphs and not support.training_graphs for backend in spec.backends.values()
                for fw, support in backend.frameworks.items() if fw != "torch")
+    # training graphs: the backends with a one-node training step (moe_torch.training_step), within the decode bound
+    training = {name: dict(spec.backends[name].frameworks["torch"].training_graphs)
+                for name in spec.backend_names("torch") if spec.backends[name].frameworks["torch"].training_graphs}
+    assert training == {"batched_mm": {"cuda": 768}, "grouped_mm": {"cuda": 768}}
+    assert {module.NAME for module in moe_backends.ALL if hasattr(module, "STEP")} == set(training)
+    assert all(training[name]["cuda"] <= declared[name]["cuda"] for name in training)
 
 
 def test_the_spec_reads_graphs_and_their_bound():
     raw = {"contract": {"activations": ["silu"], "dtypes": ["float32"], "index_dtypes": ["int64"], "empty_slot": -1},
            "tolerance": {"float32": 1e-5},
            "backends": {"b": {"description": "d", "torch": {"devices": ["cuda"], "dtypes": ["float32"],
-                                                            "graphs": {"cuda": 7}}},
+                                                            "graphs": {"cuda": 7}, "training_graphs": {"cuda": 3}}},
                         "c": {"description": "d", "torch": {"devices": ["cuda"], "dtypes": ["float32"]}}}}
     spec = parse_spec(raw)
     assert dict(spec.backends["b"].frameworks["torch"].graphs) == {"cuda": 7}
-    assert "graphs" not in spec.backends["b"].frameworks["torch"].details
+    assert dict(spec.backends["b"].frameworks["torch"].training_graphs) == {"cuda": 3}
+    assert not {"graphs", "training_graphs"} & set(spec.backends["b"].frameworks["torch"].details)
     assert not spec.backends["c"].frameworks["torch"].graphs
+    assert not spec.backends["c"].frameworks["torch"].training_graphs
 
 
 @pytest.mark.parametrize("T, expected", [(1, True), (0, False), (2_000_000, True), (3_000_000, False)])
