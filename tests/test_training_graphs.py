@@ -7,6 +7,7 @@ same code captures real graphs (tests/device_graphs_check.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -209,3 +210,23 @@ def test_activation_checkpointing_gives_the_plain_steps_bits(cuda_way, monkeypat
     want_out, want_grads = _plain(tensors, dy, monkeypatch, "grouped_mm")
     assert torch.equal(out, want_out)
     assert all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
+
+
+def test_past_the_training_bound_the_step_runs_plainly(cuda_way, monkeypatch):
+    """The spec's training_graphs bound is the training steps' own: past it (here 0 MiB) a training call runs the
+    plain one-node step, while an inference call within the decode bound still replays a graph."""
+    spec = graphs.load_spec()
+    backends = dict(spec.backends)
+    for name in ("batched_mm", "grouped_mm"):
+        frameworks = dict(backends[name].frameworks)
+        frameworks["torch"] = dataclasses.replace(frameworks["torch"], training_graphs={"cpu": 0})
+        backends[name] = dataclasses.replace(backends[name], frameworks=frameworks)
+    monkeypatch.setattr(graphs, "load_spec", lambda: dataclasses.replace(spec, backends=backends))
+    tensors, dy = _tensors(16)
+    for backend in BACKENDS:
+        out, _ = _step(tensors, dy, backend)
+        assert type(out.grad_fn).__name__ == "_TrainingStepBackward"
+    assert cuda_way == []
+    with torch.no_grad():
+        moe_torch.experts_forward(**tensors, implementation="grouped_mm")
+    assert len(cuda_way) == 1
