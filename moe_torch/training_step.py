@@ -6,11 +6,11 @@ its step as a ``Step``, written with the ops of its composed path, and ``apply``
 
 - as ``_TrainingStep``, one autograd node: the forward keeps what the backward reads, the backward makes every
   gradient in one call (the weight gradients as K-grouped matmuls over the slots sorted by expert);
-- within the decode bound (``moe_torch.graphs.training_wanted``) as ``_GraphedTrainingStep``: the forward and the
-  backward up to the weight gradients replayed as CUDA graphs of the decode graphs' pool. The backward's graph makes
-  the forward's values again from the call's own inputs (the same kernels, so the same bits), so nothing of a graph
-  is kept between forward and backward and steps may interleave. The weight gradients are made outside the graphs:
-  fresh tensors autograd keeps without a copy.
+- within the spec's ``training_graphs`` bound (``moe_torch.graphs.training_wanted``) as ``_GraphedTrainingStep``:
+  the forward and the backward up to the weight gradients replayed as CUDA graphs of the decode graphs' pool. The
+  backward's graph makes the forward's values again from the call's own inputs (the same kernels, so the same bits),
+  so nothing of a graph is kept between forward and backward and steps may interleave. The weight gradients are made
+  outside the graphs: fresh tensors autograd keeps without a copy.
 
 Shapes: T tokens, k slots per token, H hidden, E experts; x [T, H] in the weights' dtype, ids [T*k] in [0, E),
 empty [T, k] or None.

@@ -11,7 +11,7 @@ expert's weight gradient as one matmul over its slots sorted by expert (float32 
 on CUDA one K-grouped ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted
 rows, on the CPU through the forward's way again (in place, or gathered in chunks when compiled). Training with a named
 activation and no biases runs as one autograd node (``moe_torch.training_step``: the composed path's ops and bits, one
-node's host cost), or within the decode bound on CUDA as training graphs.
+node's host cost), or within the spec's training_graphs bound on CUDA as training graphs.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ combine is a gather back to slot order and a sum over k (no atomics on any devic
 either: the row gathers carry their own gradients (a per-token sum over k in float32, a per-expert bias
 sum as a one-hot matmul, the inverse permutation), so it gives the same bits on every run. On CUDA, uncompiled,
 training with a named activation and no biases runs those same ops as one autograd node (``moe_torch.training_step``;
-the weight gradients as K-grouped matmuls), or within the decode bound as training graphs.
+the weight gradients as K-grouped matmuls), or within the spec's training_graphs bound as training graphs.
 """
 
 from __future__ import annotations
