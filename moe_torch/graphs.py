@@ -205,7 +205,7 @@ def _capture(call, inputs) -> _Graph | None:
 
 
 def release() -> None:
-    """Drop every decode graph and the pools' memory they held."""
+    """Drop every graph (decode and training) and the pools' memory they held."""
     _GRAPHS.clear()
     _POOLS.clear()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
