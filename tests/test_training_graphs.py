@@ -1,9 +1,9 @@
 """Training graphs (moe_torch.graphs, MOE_TORCH_TRAINING_GRAPHS) on the CPU: batched_mm's and grouped_mm's training
 steps through training_step._GraphedTrainingStep, with test_graphs' stand-in for a CUDA graph (a replay runs the
 captured call again into the same output tensors) and test_slot_blas' stand-in for cuBLAS, so each step takes its CUDA
-way. Against the plain
-training step: the same bits forward and backward, captures and replays counted, steps that interleave. On CUDA the
-same code captures real graphs (tests/device_graphs_check.py)."""
+way. Against the plain training step: the same bits forward and backward, captures and replays counted, steps that
+interleave, checkpointing, the spec's bound. On CUDA the same code captures real graphs
+(tests/device_training_graphs.py, tests/device_training_loop.py)."""
 
 from __future__ import annotations
 
