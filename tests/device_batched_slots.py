@@ -90,9 +90,7 @@ def main() -> None:
     device = torch.device("cuda")
     checks, timings = [], {}
 
-    def check(name, ok, **detail):
-        checks.append({"name": name, "ok": bool(ok), **detail})
-        print(("PASS " if ok else "FAIL ") + name, detail or "", flush=True)
+    check = device_decode_profile.recorder(checks)
 
     g = torch.Generator(device=device).manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -93,6 +93,14 @@ def qwen3_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             (torch.randn(E, H, I, device=device, generator=gen) / I ** 0.5).bfloat16())
 
 
+def recorder(checks: list[dict]):
+    """check(name, ok, **detail): appends the check to ``checks`` and prints it (PASS or FAIL)."""
+    def check(name: str, ok: bool, **detail) -> None:
+        checks.append({"name": name, "ok": bool(ok), **detail})
+        print(("PASS " if ok else "FAIL ") + name, detail or "", flush=True)
+    return check
+
+
 def write_checks(path: Path, script: str, units: str, checks: list[dict], timings_name: str, timings: dict) -> dict:
     """Write (and return) a device script's result: versions, the command, the checks and their summary, the
     timings under ``timings_name``."""

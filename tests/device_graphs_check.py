@@ -58,9 +58,7 @@ def main() -> None:
     theirs = {name: transformers_peer(name)(E, H, I) for name in ("batched_mm", "grouped_mm")}
     checks, timings = [], {}
 
-    def check(name: str, ok: bool, **detail) -> None:
-        checks.append({"name": name, "ok": bool(ok), **detail})
-        print(("PASS " if ok else "FAIL ") + name, detail or "", flush=True)
+    check = device_decode_profile.recorder(checks)
 
     def inputs(T: int, seed: int, empties: bool = False):
         g = torch.Generator(device=device).manual_seed(seed)

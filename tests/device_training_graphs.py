@@ -80,9 +80,7 @@ def main() -> None:
     device = torch.device("cuda")
     checks, timings = [], {}
 
-    def check(name, ok, **detail):
-        checks.append({"name": name, "ok": bool(ok), **detail})
-        print(("PASS " if ok else "FAIL ") + name, detail or "", flush=True)
+    check = device_decode_profile.recorder(checks)
 
     vector_checks(device, check)
     for backend in BACKENDS:
