@@ -317,11 +317,10 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
     invariant = (x, dout.astype(x.dtype), pre, gate_up, down, gate_up_bias, down_bias)
     _, dx, dweights, grads, acc, _ = lax.while_loop(lambda c: c[0] < n_hit, expert,
                                                     (0, dx, dweights, grads, acc, invariant))
-    if fused:  # into released pages: an idle expert's gradient is never written (XLA's buffers are fresh pages)
+    if fused:  # each expert's gradient written once: its products, or zeros (released pages where not in memory)
         dh, gw, a = (from_bits(kept, x.dtype) for kept in acc)
-        d_gate_up = expert_rows.weight_grads(dh, x, token, starts, ends, expert_rows.zeros(gate_up.shape, x.dtype))
-        d_down = expert_rows.weight_grads(gw, a, jnp.arange(token.shape[0], dtype=jnp.int32), starts, ends,
-                                          expert_rows.zeros(down.shape, x.dtype))
+        d_gate_up = expert_rows.weight_grads(dh, x, token, starts, ends)
+        d_down = expert_rows.weight_grads(gw, a, jnp.arange(token.shape[0], dtype=jnp.int32), starts, ends)
         return dx.astype(x.dtype), dweights, d_gate_up, d_down, None, None
     d_down, d_gate_up, d_down_b, d_gate_up_b = grads
     return dx.astype(x.dtype), dweights, d_gate_up, d_down, d_gate_up_b, d_down_b

@@ -6,10 +6,11 @@
 // sum_n x[b, n] * w[e, n, k] for x [B, N] and w [E, N, K] (rows from `count` on zeros), on the same weights in
 // place. The kernel is moe_shared's expert_rows.h (attribute `amx`: its AMX way, else AVX512-BF16); its chunks are
 // taken by the calling thread and one task on XLA's intra-op pool. moe_weight_grads: weight_grads.h's per-expert
-// bfloat16 weight gradients from rows grouped by expert, into an aliased operand, on the same threads. moe_zeros: a zero-filled result
-// (zero_pages.h: a large one's whole pages released rather than written) whose whole 2 MB pages are then marked
-// for transparent huge pages (from `from_bytes` on, none where it is negative; XLA's allocator cannot be advised,
-// and a fresh large buffer otherwise faults once per 4 KB page as it is first written).
+// bfloat16 weight gradients from rows grouped by expert (zeros for the experts without rows), on the same threads.
+// moe_zeros: a zero-filled result (zero_pages.h: a large one's pages not in memory released rather than written).
+// Both mark a result's whole 2 MB pages for transparent huge pages (from `from_bytes` on, none where it is negative;
+// XLA's allocator cannot be advised, and a fresh large buffer otherwise faults once per 4 KB page as it is first
+// written).
 #include <sys/mman.h>
 
 #include <cstdint>
@@ -113,26 +114,32 @@ ffi::Error ExpertRowsAdd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   return Run(pool, r, amx, kTarget);
 }
 
-ffi::Error Zeros(ffi::Result<ffi::AnyBuffer> out, int64_t from_bytes) {
+// marks the whole 2 MB pages of a result of `from_bytes` bytes or more for transparent huge pages (none where
+// `from_bytes` is negative): a hint, the contents stay as they are
+void AdviseHugePages(ffi::Result<ffi::AnyBuffer>& out, int64_t from_bytes) {
+#ifdef MADV_HUGEPAGE
   constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
   const auto begin = reinterpret_cast<uintptr_t>(out->untyped_data());
   const size_t bytes = out->size_bytes();
-  moe_rows::ZeroBytes(out->untyped_data(), bytes);
-#ifdef MADV_HUGEPAGE
   const uintptr_t start = (begin + kHugePage - 1) / kHugePage * kHugePage;
   const uintptr_t end = (begin + bytes) / kHugePage * kHugePage;
   if (from_bytes >= 0 && static_cast<int64_t>(bytes) >= from_bytes && end > start)
-    madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);  // a hint: the contents are the same
+    madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
 #endif
+}
+
+ffi::Error Zeros(ffi::Result<ffi::AnyBuffer> out, int64_t from_bytes) {
+  moe_rows::ZeroBytes(out->untyped_data(), out->size_bytes());
+  AdviseHugePages(out, from_bytes);
   return ffi::Error::Success();
 }
 
-// out [E, N, K] (aliasing `into`) = per expert e, the sum over left rows r in [start[e], end[e]) of left[r] [N]
-// times right row right_row[r] [K] (weight_grads.h); an expert without rows left as it is in `into`. On the calling
-// thread and one pool task.
+// out [E, N, K] = per expert e, the sum over left rows r in [start[e], end[e]) of left[r] [N] times right row
+// right_row[r] [K] (weight_grads.h); zeros for an expert without rows. On the calling thread (which zeros the idle
+// experts first) and one pool task.
 ffi::Error WeightGrads(ffi::ThreadPool pool, ffi::AnyBuffer left, ffi::AnyBuffer right,
                        ffi::Buffer<ffi::S32> right_row, ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end,
-                       ffi::AnyBuffer into, ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Result<ffi::AnyBuffer> out, int64_t from_bytes) {
   constexpr const char* kTarget = "moe_weight_grads";
   const auto ld = left.dimensions(), rd = right.dimensions(), od = out->dimensions();
   if (left.element_type() != ffi::BF16 || right.element_type() != ffi::BF16 || out->element_type() != ffi::BF16 ||
@@ -140,7 +147,6 @@ ffi::Error WeightGrads(ffi::ThreadPool pool, ffi::AnyBuffer left, ffi::AnyBuffer
     return Invalid(kTarget, "expected left [S, N], right [R, K] and out [E, N, K] in bfloat16");
   if (right_row.element_count() != ld[0] || start.element_count() != od[0] || end.element_count() != od[0])
     return Invalid(kTarget, "expected right_row [S], start [E] and end [E]");
-  if (out->untyped_data() != into.untyped_data()) return Invalid(kTarget, "out must alias into");
   const int32_t *rows = right_row.typed_data(), *first = start.typed_data(), *last = end.typed_data();
   for (int64_t e = 0; e < od[0]; ++e) {
     if (first[e] < last[e] && (first[e] < 0 || last[e] > ld[0]))
@@ -148,10 +154,12 @@ ffi::Error WeightGrads(ffi::ThreadPool pool, ffi::AnyBuffer left, ffi::AnyBuffer
     for (int64_t r = first[e]; r < last[e]; ++r)
       if (rows[r] < 0 || rows[r] >= rd[0]) return Invalid(kTarget, "right_row index out of range");
   }
+  AdviseHugePages(out, from_bytes);
   auto job = std::make_shared<moe_rows::WeightGradsJob>(moe_rows::WeightGradShape{
       static_cast<const uint16_t*>(left.untyped_data()), static_cast<const uint16_t*>(right.untyped_data()), rows,
       first, last, static_cast<uint16_t*>(out->untyped_data()), od[0], od[1], od[2]});
   if (job->units() > 1) pool.Schedule([job] { job->Run(); });  // a task that starts late finds no unit left
+  job->ZeroIdle();
   job->Run();
   job->Wait();
   return ffi::Error::Success();
@@ -183,12 +191,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_add, ExpertRowsAdd,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("amx"));
 
-// left, right, right_row, start, end and into
+// left, right, right_row, start and end
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_weight_grads, WeightGrads,
-                              RowsBinding()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              RowsBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
+                                  "from_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_zeros, Zeros,
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<int64_t>("from_bytes"));

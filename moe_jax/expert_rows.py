@@ -110,30 +110,36 @@ def expert_rows_transposed(x, weights, expert, count):
     return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), amx=amx())
 
 
-def weight_grads(left, right, right_row, start, end, into):
-    """``into`` [E, N, K] bfloat16 (updated in place) with, per expert e that has rows, the sum over rows r in
-    [start[e], end[e]) of the outer product of ``left[r]`` [N] and ``right[right_row[r]]`` [K] (float32 sums of exact
-    bfloat16 products, two rows at a time in row order, rounded once): an expert's weight gradient written once,
-    straight into the result. An expert without rows is left as ``into`` holds it (``zeros()``' released pages: the
-    idle experts of a decode step cost nothing). ``left`` [S, N] and ``right`` [R, K] bfloat16; ``right_row`` [S],
-    ``start`` and ``end`` [E] int32."""
+def weight_grads(left, right, right_row, start, end):
+    """[E, N, K] bfloat16: per expert e that has rows, the sum over rows r in [start[e], end[e]) of the outer product
+    of ``left[r]`` [N] and ``right[right_row[r]]`` [K] (float32 sums of exact bfloat16 products, two rows at a time in
+    row order, rounded once): an expert's weight gradient written once, straight into the result; zeros for the
+    others (``zero_pages.h``: pages not in memory released, not written, so the idle experts of a decode step cost
+    nothing on fresh memory; with ``MOE_EXPERTS_HUGE_PAGES=1`` at tracing a large result is marked for transparent
+    huge pages, as ``zeros``'). ``left`` [S, N] and ``right`` [R, K] bfloat16; ``right_row`` [S], ``start`` and
+    ``end`` [E] int32."""
     for name, array in (("left", left), ("right", right)):
         if array.dtype != jnp.bfloat16 or array.ndim != 2:
             raise ValueError(f"{name}: expected a 2-D bfloat16 array, got {array.dtype} of shape {tuple(array.shape)}")
+    if start.shape != end.shape or start.ndim != 1:
+        raise ValueError(f"start, end: expected two [E] arrays, got shapes {tuple(start.shape)} and {tuple(end.shape)}")
     kind = jax.ShapeDtypeStruct((start.shape[0], left.shape[1], right.shape[1]), jnp.bfloat16)
-    if into.shape != kind.shape or into.dtype != kind.dtype:
-        raise ValueError(f"into: expected a bfloat16 array of shape {kind.shape}, got {into.dtype} of shape "
-                         f"{tuple(into.shape)}")
-    call = jax.ffi.ffi_call(WEIGHT_GRADS_TARGET, kind, vmap_method="sequential", input_output_aliases={5: 0})
-    return call(left, right, right_row.astype(jnp.int32), start.astype(jnp.int32), end.astype(jnp.int32), into)
+    call = jax.ffi.ffi_call(WEIGHT_GRADS_TARGET, kind, vmap_method="sequential")
+    return call(left, right, right_row.astype(jnp.int32), start.astype(jnp.int32), end.astype(jnp.int32),
+                from_bytes=_huge_pages_from_bytes())
 
 
 def zeros(shape: tuple[int, ...], dtype) -> jax.Array:
-    """``jnp.zeros(shape, dtype)`` from the kernel's library: a large result's whole pages are released rather than
-    written (``zero_pages.h``: they read as zeros and take memory only where written, so a weight gradient's idle
-    experts cost no writes); with ``MOE_EXPERTS_HUGE_PAGES=1`` at tracing, from ``native.HUGE_PAGES_FROM_BYTES`` on
+    """``jnp.zeros(shape, dtype)`` from the kernel's library: a large result's whole pages that are not in memory are
+    released rather than written (``zero_pages.h``: they read as zeros and take memory only where written); with ``MOE_EXPERTS_HUGE_PAGES=1`` at tracing, from ``native.HUGE_PAGES_FROM_BYTES`` on
     its memory is marked for transparent huge pages (XLA's allocator cannot be advised; a fresh buffer faults once
     per 4 KB page where it is written). The kernel's library must be loaded (``enabled()``)."""
-    from_bytes = native.huge_pages_from_bytes()
     call = jax.ffi.ffi_call(ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))
-    return call(from_bytes=-1 if from_bytes is None else from_bytes)
+    return call(from_bytes=_huge_pages_from_bytes())
+
+
+def _huge_pages_from_bytes() -> int:
+    """The ``from_bytes`` attribute of the calls that make large results: ``native.huge_pages_from_bytes()`` at
+    tracing, -1 for none."""
+    from_bytes = native.huge_pages_from_bytes()
+    return -1 if from_bytes is None else from_bytes

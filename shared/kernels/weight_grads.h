@@ -1,12 +1,13 @@
 // Weight gradients of rows grouped by expert, for the bindings of the row kernel's library: for each expert e,
 //   out[e][n, k] = sum over its rows r in [start[e], end[e]) of left[r, n] * right[right_row[r], k]
 // ([N] by [K] outer products), in float32 and rounded to bfloat16 once, written straight into the [E, N, K]
-// gradient; an expert without rows is left as `out` holds it (the caller's zeros: released pages cost nothing
-// unless written). No float32 [N, K] per expert in memory, no second pass to round it. The thread that takes an
-// expert's first unit maps its whole gradient's pages for writing first (PopulateForWriting: XLA's large buffers are
-// fresh pages). A jitted qwen3-cpu training step on the 2-core EPYC, JAX grouped_mm, four processes each, alternating,
-// medians of 15 steps: T=8 45.0-49.3 against 47.6-53.7 ms, T=16 68.9-85.3 against 73.1-81.1 (about 4% by the middle
-// medians, 10% by the fastest steps: a small gain within this host's spread).
+// gradient; the experts without rows are zeros (ZeroIdle, a run of consecutive ones at a time: pages not in memory
+// released, the others written; zero_pages.h). No float32 [N, K] per expert in memory, no second pass to round it,
+// and no zeros written under an expert's products. The thread that takes an expert's first unit maps its whole
+// gradient's pages for writing first (PopulateForWriting: XLA's large buffers are fresh pages unless the allocator
+// keeps freed ones). A jitted qwen3-cpu training step on the 2-core EPYC, JAX grouped_mm, four processes each,
+// alternating, medians of 15 steps: T=8 45.0-49.3 against 47.6-53.7 ms, T=16 68.9-85.3 against 73.1-81.1 (about 4%
+// by the middle medians, 10% by the fastest steps: a small gain within this host's spread).
 // Rows go in pairs through AVX512-BF16 dot products (each pair's right rows interleaved once per unit of work, a
 // missing second row as zeros), so the sums are of exact bfloat16 products, a pair at a time, in row order: the
 // same bits on every run. A unit of work is one expert's kGradRows output rows; the threads that run a job share
@@ -48,6 +49,22 @@ class WeightGradsJob {
     for (int64_t u; (u = next_.fetch_add(1)) < units_;) {
       Unit(u / units_per_expert_, u % units_per_expert_ * kGradRows, packed);
       done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  // zeros for out[e] of every expert e without rows
+  void ZeroIdle() const {
+    const size_t expert_bytes = static_cast<size_t>(s_.N * s_.K) * sizeof(uint16_t);
+    int hit = 0;
+    for (int64_t e = 0; e < s_.E; ++e) hit += s_.end[e] > s_.start[e];
+    if (hit == s_.E) return;
+    const bool releasable = Releasable(s_.out, static_cast<size_t>(s_.E) * expert_bytes);
+    for (int64_t e = 0; e < s_.E;) {
+      int64_t idle_end = e;
+      while (idle_end < s_.E && s_.end[idle_end] <= s_.start[idle_end]) ++idle_end;
+      if (idle_end > e)
+        ZeroBytes(s_.out + e * s_.N * s_.K, static_cast<size_t>(idle_end - e) * expert_bytes, releasable);
+      e = idle_end + 1;
     }
   }
 

@@ -1,9 +1,11 @@
 // Zeros for large CPU buffers, for the bindings of the row kernel's library. A fresh weight gradient is mostly the
 // zero rows of idle experts, and writing them costs a page fault and a kernel-side clear for every 4 KB, then the
-// write itself. ZeroBytes instead releases the whole pages of the range (madvise MADV_DONTNEED), which then read as
-// zeros and take memory again only where something writes them; only the partial pages at its ends are written.
-// That holds for private anonymous memory only (a file mapping would read the file back), so the range's mappings
-// are looked up in /proc/self/maps first, and anything else is written with memset.
+// write itself. ZeroBytes instead releases the pages of the range that are not in memory (madvise MADV_DONTNEED):
+// they then read as zeros and take memory again only where something writes them. Pages in memory (a buffer on
+// memory the allocator kept from an earlier one: glibc told to keep freed blocks, torch's page pool) are written:
+// released, they would fault again at the next write. Only the partial pages at the range's ends are always
+// written. Releasing holds for private anonymous memory only (a file mapping would read the file back), so the
+// range's mappings are looked up in /proc/self/maps first, and anything else is written with memset.
 #pragma once
 
 #include <sys/mman.h>
@@ -12,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 namespace moe_rows {
 
@@ -58,17 +61,46 @@ inline void PopulateForWriting(void* data, size_t bytes) {
   if (bytes > 0) madvise(reinterpret_cast<void*>(start), end - start, kPopulateWrite);
 }
 
-inline void ZeroBytes(void* data, size_t bytes) {
+// Zeros the whole pages [start, end) of private anonymous memory: each run of pages in memory (mincore) written,
+// each run of the others released
+inline void ZeroWholePages(uintptr_t start, uintptr_t end, uintptr_t page) {
+  const size_t pages = (end - start) / page;
+  std::vector<unsigned char> in_memory(pages, 0);
+  if (mincore(reinterpret_cast<void*>(start), end - start, in_memory.data()) != 0) in_memory.assign(pages, 0);
+  for (size_t i = 0; i < pages;) {
+    const bool resident = in_memory[i] & 1;
+    size_t j = i + 1;
+    while (j < pages && static_cast<bool>(in_memory[j] & 1) == resident) ++j;
+    void* at = reinterpret_cast<void*>(start + i * page);
+    const size_t bytes = (j - i) * page;
+    if (resident || madvise(at, bytes, MADV_DONTNEED) != 0) std::memset(at, 0, bytes);
+    i = j;
+  }
+}
+
+// Zeros [data, data + bytes); `releasable`: whether its whole pages may be released (Releasable; a caller zeroing
+// several ranges of one buffer looks that up once, for the whole buffer)
+inline void ZeroBytes(void* data, size_t bytes, bool releasable) {
   const auto begin = reinterpret_cast<uintptr_t>(data);
   const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const uintptr_t start = (begin + page - 1) / page * page, end = (begin + bytes) / page * page;
-  if (bytes < kReleaseFromBytes || end <= start || !PrivateAnonymous(start, end) ||
-      madvise(reinterpret_cast<void*>(start), end - start, MADV_DONTNEED) != 0) {
+  if (!releasable || end <= start) {
     std::memset(data, 0, bytes);
     return;
   }
   std::memset(data, 0, start - begin);
   std::memset(reinterpret_cast<void*>(end), 0, begin + bytes - end);
+  ZeroWholePages(start, end, page);
 }
+
+// Whether the whole pages of [data, data + bytes) may be released (private anonymous memory, kReleaseFromBytes on)
+inline bool Releasable(const void* data, size_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t start = (begin + page - 1) / page * page, end = (begin + bytes) / page * page;
+  return bytes >= kReleaseFromBytes && end > start && PrivateAnonymous(start, end);
+}
+
+inline void ZeroBytes(void* data, size_t bytes) { ZeroBytes(data, bytes, Releasable(data, bytes)); }
 
 }  // namespace moe_rows
