@@ -187,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "device": environment.device_name(opts.device), "device_tag": environment.device_tag(opts.device),
         "device_class": opts.device.type, **environment.versions(), "commit": environment.commit(),
+        "environment": environment.timing_environment(),
         "date": started.isoformat(timespec="seconds"), "dtype": opts.dtype,
         "command": ["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)],
     }

@@ -62,6 +62,18 @@ KERNEL_PACKAGES = ("jax-triton", "sonic-moe", "quack-kernels", "nvidia-cutlass-d
                    "torch-c-dlpack-ext", "sgl-deep-gemm", "kernels", "transformers", "tokamax")
 
 
+# the environment variables, set before the process started, that change what a CPU point measures: glibc's
+# allocator (memory kept between steps or handed back, README "CPU"), the kernel library's huge pages, the thread
+# counts
+TIMING_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES",
+                    "LD_PRELOAD", "MOE_EXPERTS_HUGE_PAGES", "OMP_NUM_THREADS", "XLA_FLAGS")
+
+
+def timing_environment() -> dict[str, str]:
+    """The TIMING_VARIABLES that are set, with their values."""
+    return {name: os.environ[name] for name in TIMING_VARIABLES if name in os.environ}
+
+
 def versions() -> dict:
     installed = {name: _version(name) for name in KERNEL_PACKAGES}
     return {"torch": torch.__version__, "jax": _version("jax"), "triton": _version("triton"),

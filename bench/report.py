@@ -102,6 +102,8 @@ def summary(meta: Mapping, unavailable: Mapping[str, Mapping[str, str]], skipped
             errors: Sequence[Mapping], crossover: Mapping[str, Mapping[str, Mapping]]) -> str:
     lines = [f"device: {meta['device']}  peaks: {meta['peak_tflops']:.4g} TFLOP/s, {meta['peak_tbs']:.4g} TB/s "
              f"({meta['dtype']} matmul, copy)"]
+    if meta.get("environment"):
+        lines.append("environment: " + " ".join(f"{k}={v}" for k, v in meta["environment"].items()))
     for fw, reasons in unavailable.items():
         for backend, reason in reasons.items():
             lines.append(f"unavailable {fw}:{backend}: {reason}")

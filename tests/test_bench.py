@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from bench import budget, crossover, peers, report, roofline, runners
+from bench import budget, crossover, environment, peers, report, roofline, runners
 from bench.__main__ import main
 from bench.configs import CONFIGS, get_configs, parse_tokens
 from bench.progress import progress
@@ -84,9 +84,26 @@ def test_smoke_json_schema(smoke):
 
 def test_smoke_meta_records_the_installed_kernel_packages(smoke):
     import importlib.metadata
-    packages = json.loads(_one(smoke, ".json").read_text())["meta"]["packages"]
+    meta = json.loads(_one(smoke, ".json").read_text())["meta"]
+    assert meta["environment"] == environment.timing_environment()
+    packages = meta["packages"]
     assert packages["transformers"] == importlib.metadata.version("transformers")
     assert "sonic-moe" not in packages  # not installed here: left out, not recorded as None
+
+
+def test_timing_environment_names_the_allocator_and_thread_settings(monkeypatch):
+    """The meta's ``environment``: the set variables that change CPU timings (glibc's allocator, huge pages,
+    threads), with their values; others are left out. The summary prints them."""
+    for name in environment.TIMING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert environment.timing_environment() == {}
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
+    monkeypatch.setenv("MOE_EXPERTS_HUGE_PAGES", "0")
+    monkeypatch.setenv("SOME_OTHER_SETTING", "x")
+    found = environment.timing_environment()
+    assert found == {"MALLOC_ARENA_MAX": "1", "MOE_EXPERTS_HUGE_PAGES": "0"}
+    meta = {"device": "cpu", "peak_tflops": 1.0, "peak_tbs": 1.0, "dtype": "bfloat16", "environment": found}
+    assert "environment: MALLOC_ARENA_MAX=1 MOE_EXPERTS_HUGE_PAGES=0" in report.summary(meta, {}, [], [], {})
 
 
 def test_smoke_has_the_transformers_peers_on_the_same_inputs(smoke):
