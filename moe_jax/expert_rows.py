@@ -130,10 +130,11 @@ def weight_grads(left, right, right_row, start, end):
 
 
 def zeros(shape: tuple[int, ...], dtype) -> jax.Array:
-    """``jnp.zeros(shape, dtype)`` from the kernel's library: a large result's whole pages that are not in memory are
-    released rather than written (``zero_pages.h``: they read as zeros and take memory only where written); with ``MOE_EXPERTS_HUGE_PAGES=1`` at tracing, from ``native.HUGE_PAGES_FROM_BYTES`` on
-    its memory is marked for transparent huge pages (XLA's allocator cannot be advised; a fresh buffer faults once
-    per 4 KB page where it is written). The kernel's library must be loaded (``enabled()``)."""
+    """``jnp.zeros(shape, dtype)`` from the kernel's library: a large result's pages that are not in memory are
+    released rather than written (``zero_pages.h``: they read as zeros and take memory only where written), the
+    others written; with ``MOE_EXPERTS_HUGE_PAGES=1`` at tracing, from ``native.HUGE_PAGES_FROM_BYTES`` on its memory
+    is marked for transparent huge pages (XLA's allocator cannot be advised; a fresh buffer faults once per 4 KB page
+    where it is written). The kernel's library must be loaded (``enabled()``)."""
     call = jax.ffi.ffi_call(ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))
     return call(from_bytes=_huge_pages_from_bytes())
 

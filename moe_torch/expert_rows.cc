@@ -3,7 +3,7 @@
 //   weight tensor, each group `rows[g]` rows of x [*, K] from row x_row[g] times weights[expert[g]] transposed, into
 //   float32 out [*, N] from row out_row[g]. Returns 0, or 1 where AMX was asked for and the kernel refused it.
 // - moe_combine_slots: the weighted combine of slot_rows.h, reading rows in expert order where they lie.
-// - moe_zero_bytes: zero_pages.h's zeros (a large range's whole pages released rather than written).
+// - moe_zero_bytes: zero_pages.h's zeros (a large range's pages not in memory released rather than written).
 // Each call's chunks are taken by an OpenMP team of `threads` threads, the calling thread among them.
 #include <algorithm>
 #include <vector>

@@ -154,10 +154,10 @@ def combine_slots(y: torch.Tensor, order: torch.Tensor, empty: torch.Tensor | No
 
 
 def zero_(t: torch.Tensor) -> torch.Tensor:
-    """``t.zero_()``; for a contiguous CPU tensor, from the library where it is enabled: a large one's whole pages
-    are released rather than written (``zero_pages.h``, which JAX's ``moe_zeros`` runs for its weight gradients
-    where most experts are idle; torch's own weight gradients lie on pages of their own instead, ``base.cpu_buffer``).
-    Here the tests point it at memory of their choosing, a private file mapping included."""
+    """``t.zero_()``; for a contiguous CPU tensor, from the library where it is enabled: a large one's pages that
+    are not in memory are released rather than written, the others written (``zero_pages.h``, which JAX's
+    ``moe_zeros`` and ``moe_weight_grads`` run; torch's own weight gradients lie on pages of their own instead,
+    ``base.cpu_buffer``). Here the tests point it at memory of their choosing, a private file mapping included."""
     if t.device.type != "cpu" or not t.is_contiguous() or torch.compiler.is_compiling() or not enabled():
         return t.zero_()
     if t.numel():

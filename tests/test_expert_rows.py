@@ -363,7 +363,8 @@ def test_weight_grads_name_bad_operands():
 @pytest.mark.parametrize("huge_pages", ["0", "1"])
 def test_library_zeros_are_zeros(shape, dtype, huge_pages, monkeypatch):
     """moe_zeros: zeros of the shape and dtype asked, under and over the release size and
-    HUGE_PAGES_FROM_BYTES (36 MB: whole pages released, then, with MOE_EXPERTS_HUGE_PAGES=1, marked for huge pages),
+    HUGE_PAGES_FROM_BYTES (36 MB: pages not in memory released, the others written, then, with
+    MOE_EXPERTS_HUGE_PAGES=1, marked for huge pages),
     and for no elements; its memory is whatever XLA's allocator gave (reused buffers written with other values
     included)."""
     assert 9 * 1024 * 1024 * 4 >= native.HUGE_PAGES_FROM_BYTES
@@ -568,9 +569,10 @@ def test_torch_combine_slots_gives_the_bits_of_the_slot_order_sum(T, k, H, threa
 
 @needs_torch_kernel
 def test_torch_zero_releases_pages_of_anonymous_memory_only(tmp_path):
-    """expert_rows.zero_ gives zeros on written memory, large (whole pages released, partial pages at both ends
-    written: the slice starts mid-page) and small; on a private file mapping, where released pages would read the
-    file again, it writes the zeros (the lookup in /proc/self/maps), and the file is left as it was."""
+    """expert_rows.zero_ gives zeros on written memory, large (partial pages at both ends written: the slice starts
+    mid-page) and small; on a private file mapping whose pages are not in memory (the file's cached pages dropped),
+    where released pages would read the file again, it writes the zeros (the lookup in /proc/self/maps), and the
+    file is left as it was."""
     big = torch.full((6 << 20,), 3, dtype=torch.uint8)
     part = big[1000:-1000]  # unaligned ends
     assert torch_rows.zero_(part) is part
@@ -582,10 +584,14 @@ def test_torch_zero_releases_pages_of_anonymous_memory_only(tmp_path):
     path = tmp_path / "weights.bin"
     path.write_bytes(b"\x07" * (8 << 20))
     with open(path, "r+b") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # clean cached pages dropped: none in memory
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes stay in this process
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the buffer is writable: frombuffer's warning is for read-only ones
             view = torch.frombuffer(mapped, dtype=torch.uint8)
+        pages = (8 << 20) // mmap.PAGESIZE
+        assert _pages_in_memory(view.data_ptr(), pages) < pages // 2
         torch_rows.zero_(view[4096:])
         assert not view[4096:].any() and (view[:4096] == 7).all()
         del view
