@@ -54,10 +54,15 @@ def apply(step: Step, name: str, hidden_states: torch.Tensor, top_k_index: torch
     if graphs.training_wanted(name, activation, hidden_states, top_k_index, gate_up_proj, down_proj):
         return _GraphedTrainingStep.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index,
                                           activation, step, name)
-    slots = Slots(top_k_index, down_proj.shape[0])
-    empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
+    slots, empty = _slots(top_k_index, down_proj.shape[0])
     return _TrainingStep.apply(hidden_states, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty,
                                activation, slots.T, slots.k, step)
+
+
+def _slots(top_k_index: torch.Tensor, num_experts: int) -> tuple[Slots, torch.Tensor | None]:
+    """The call's slots and their empty mask as [T, k] (None where no slot is empty)."""
+    slots = Slots(top_k_index, num_experts)
+    return slots, None if slots.empty is None else slots.empty.view(slots.T, slots.k)
 
 
 def _weight_grad(step: Step, operands) -> torch.Tensor | None:
@@ -90,8 +95,7 @@ class _TrainingStep(torch.autograd.Function):
 def _graph_forward(step, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, needs):
     """The step's forward from the call's own inputs, as a training graph captures it: ((ids, empty, x), its output,
     what its backward reads)."""
-    slots = Slots(top_k_index, down_proj.shape[0])
-    empty = None if slots.empty is None else slots.empty.view(slots.T, slots.k)
+    slots, empty = _slots(top_k_index, down_proj.shape[0])
     x = as_dtype(hidden_states, gate_up_proj.dtype)
     out, kept = step.forward(x, top_k_weights, gate_up_proj, down_proj, slots.safe_ids, empty, activation, slots.T,
                              slots.k, needs)
