@@ -14,10 +14,11 @@ gradient through the down weights), the activation's VJP, the input gradient sca
 (each token's k slots summed in float32), and the weight and bias gradients, summed over an expert's blocks in
 float32 (most experts take one block: nothing to add). Where the forward runs on ``expert_rows``, the backward's two
 products through the weights (the output gradient through the down weights, the pre-activation gradient through
-the gate/up weights) run on its transposed mode (``expert_rows_transposed``), the weights read in place; and
-without biases, up to WEIGHT_GRADS_MEAN_ROWS rows per expert, the loop only keeps each row of dh, gw and a, and one
-``moe_weight_grads`` call per weight writes every expert's gradient once, in bfloat16, after it (no float32 [N, H]
-per expert rounded into the gradient: on the qwen3-cpu shape that took 80 of a 122 ms training step at T=64).
+the gate/up weights) run on its transposed mode (``expert_rows_transposed``), the weights read in place. In bfloat16
+without biases where the kernel's library runs (up to WEIGHT_GRADS_MEAN_ROWS rows per expert with AMX, any number
+without), the loop only keeps each row of dh, gw and a, and one ``moe_weight_grads`` call per weight writes every
+expert's gradient once, in bfloat16, after it (no float32 [N, H] per expert rounded into the gradient: on the
+qwen3-cpu shape that took 80 of a 122 ms training step at T=64).
 """
 
 from __future__ import annotations
@@ -67,22 +68,38 @@ ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 64}
 # 116-123 and 187-201 ms, against 111 and 160 on XLA's dots
 BACKWARD_ROW_KERNEL_MEAN_ROWS = {True: None, False: 8}
 # mean rows per expert up to which the backward's weight gradients come from moe_weight_grads (each expert's written
-# once in bfloat16, from the rows of all its blocks kept in the loop) rather than from XLA's dots per block summed
-# into float32 [N, H] and [H, I] and rounded into the gradients per expert. qwen3-cpu training step on a 2-core Xeon
-# (AMX), one process: T=1 8.0 against 13.4 ms, T=4 25 against 46, T=8 43 against 79, T=16 65 against 95, T=64 83
-# against 113, T=128 (16 rows) 95 against 113; at T=256 (32 rows) 129 against 122: its AVX512-BF16 products lose to
-# XLA's AMX dots
-WEIGHT_GRADS_MEAN_ROWS = 16
+# once in bfloat16, from the rows of all its blocks kept in the loop; None: any) rather than from XLA's dots per
+# block summed into float32 [N, H] and [H, I] and rounded into the gradients per expert, by expert_rows.amx(). On a
+# 2-core Xeon with AMX, qwen3-cpu training step, one process: T=1 8.0 against 13.4 ms, T=4 25 against 46, T=8 43
+# against 79, T=16 65 against 95, T=64 83 against 113, T=128 (16 rows) 95 against 113; at T=256 (32 rows) 129
+# against 122, its AVX512-BF16 products (one output row at a time then) losing to XLA's AMX dots. On the 2-core EPYC,
+# with the products summed in registers and stored non-temporally (weight_grads.h), three interleaved rounds in one
+# process: T=256 83.7 against 98.2 ms (fastest), T=512 135 against 153, T=1024 230 against 247, T=2048 391 against
+# 479
+WEIGHT_GRADS_MEAN_ROWS = {True: 16, False: None}
+
+
+def _within(bounds: dict, rows: int, experts: int, operands, *, inclusive: bool = False) -> bool:
+    """bfloat16 ``operands`` where ``expert_rows.enabled()``, at a mean of rows per expert under this host's bound in
+    ``bounds`` (at it too with ``inclusive``; None: any)."""
+    if not (all(a.dtype == jnp.bfloat16 for a in operands) and expert_rows.enabled()):
+        return False
+    bound = bounds[expert_rows.amx()]
+    return bound is None or _mean_rows(rows, experts) < bound + inclusive
 
 
 def uses_row_kernel(rows: int, experts: int, *operands, backward: bool = False) -> bool:
     """Whether the forward's matmuls (the backward's, with ``backward``) run on ``expert_rows`` (the weights read in
     place, padding rows skipped): with bfloat16 operands where ``expert_rows.enabled()``, on AMX at any rows per
     expert, else at few (ROW_KERNEL_MEAN_ROWS, BACKWARD_ROW_KERNEL_MEAN_ROWS)."""
-    if not (all(a.dtype == jnp.bfloat16 for a in operands) and expert_rows.enabled()):
-        return False
-    bound = (BACKWARD_ROW_KERNEL_MEAN_ROWS if backward else ROW_KERNEL_MEAN_ROWS)[expert_rows.amx()]
-    return bound is None or _mean_rows(rows, experts) < bound
+    return _within(BACKWARD_ROW_KERNEL_MEAN_ROWS if backward else ROW_KERNEL_MEAN_ROWS, rows, experts, operands)
+
+
+def fused_weight_grads(rows: int, experts: int, *operands) -> bool:
+    """Whether the backward's weight gradients (without biases) come from ``moe_weight_grads``: with bfloat16
+    operands where ``expert_rows.enabled()``, up to WEIGHT_GRADS_MEAN_ROWS rows per expert, whichever way the
+    backward's products through the weights run."""
+    return _within(WEIGHT_GRADS_MEAN_ROWS, rows, experts, operands, inclusive=True)
 
 
 def block_sizes(rows: int, experts: int, *, backward: bool = False, row_kernel: bool = False) -> tuple[int, ...]:
@@ -249,7 +266,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
     hit, n_hit, starts, ends = hit_experts(group_sizes)
     biased = gate_up_bias is not None
     row_kernel = uses_row_kernel(S, E, x, gate_up, down, backward=True)
-    fused = row_kernel and not biased and _mean_rows(S, E) <= WEIGHT_GRADS_MEAN_ROWS
+    fused = not biased and fused_weight_grads(S, E, x, gate_up, down)
 
     def expert(carry):
         i, dx, dweights, grads, acc, invariant = carry
@@ -305,7 +322,7 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
         grads = ()
         acc = tuple(expert_rows.zeros((token.shape[0], width), bits_dtype(x.dtype)) for width in (N, H, I))
     else:
-        # (with biases, or above WEIGHT_GRADS_MEAN_ROWS) the library's zeros release the pages of the weight
+        # (with biases, in another dtype, or above WEIGHT_GRADS_MEAN_ROWS) the library's zeros release the pages of the weight
         # gradients where most experts get no slot (fewer slots than experts); where most get some, XLA's own zeros
         # were faster (measured on this path before moe_weight_grads, qwen3-cpu training step on a 2-core Xeon: 46
         # against 61 ms at T=4, 79 against 82 at T=8, 109 against 100 at T=16, 122 against 113 at T=64, 143 against
