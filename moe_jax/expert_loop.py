@@ -60,8 +60,10 @@ def _mean_rows(rows: int, experts: int) -> int:
 # 29 against 31 ms at T=512, 35 against 45 at 1024, 62 against 68 at 2048, 112 against 123 at 4096 (blocks of up to
 # MAX_BLOCK rows). Its AVX512-BF16 way, the whole forward on a 2-core EPYC (one process, three interleaved rounds):
 # 18.8 against 24.1 ms at T=64 (8 rows), 23.0 against 27.3 at 128, 27.7 against 32.8 at 192, 35.0 against 39.0 at
-# 256 (32 rows); at 512 (64 rows) 60 against 57
-ROW_KERNEL_MEAN_ROWS = {True: None, False: 48}
+# 256 (32 rows); with its sums reduced in registers (expert_rows.h's Sum4), fastest of three: 29.4 against 37.2 at
+# T=384 (48 rows), 36.9 against 43.9 at 512, 67.2 against 68.7 at 1024, 124 against 129 at 2048 (blocks of 64, 128
+# or 256 rows within 5% of each other)
+ROW_KERNEL_MEAN_ROWS = {True: None, False: None}
 ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 64}
 # the bound for the backward's products through the weights: its AVX512-BF16 way matched XLA's at 8 rows; with the
 # backward on it at 16 and 32 rows per expert (T = 128, 256), a qwen3-cpu training step on a 2-core EPYC took
@@ -219,9 +221,8 @@ def _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_b
     row_kernel = uses_row_kernel(S, E, x, gate_up, down)
     # without a down bias, the down projection adds its rows, times their routing weights, into the float32 token
     # rows on the row kernel (expert_rows_add: no [B, H] float32 temporary, no XLA scatter; qwen3-cpu forward on a
-    # 2-core Xeon with AMX: 41 against 52 ms at T=1024, 68 against 78 at 2048). Only where the forward runs on the
-    # kernel: its AVX512-BF16 way lost to XLA's dot and scatter from 64 rows per expert (2-core EPYC: 71 against 62
-    # ms at T=512, 102 against 82 at 1024, 174 against 149 at 2048; 35.6 against 37.4 at T=256, 32 rows)
+    # 2-core Xeon with AMX: 41 against 52 ms at T=1024, 68 against 78 at 2048). Wherever the forward runs on the
+    # kernel (on the 2-core EPYC, the figures of ROW_KERNEL_MEAN_ROWS are with it)
     add_down = row_kernel and down_bias is None
     sizes = block_sizes(S, E, row_kernel=row_kernel)
     hit, n_hit, starts, ends = hit_experts(group_sizes)

@@ -34,8 +34,11 @@ PROFILER_NAME = "moe_torch::expert_rows"
 # at T=512 (64 rows per expert), 57-59 against 54-56 at T=1024 (128). Without AMX, on a 2-core EPYC, gate/up and
 # down per expert against torch.mm: 123 against 174 us at 1 row, 225 against 256 at 16, 353 against 334 at 32;
 # grouped_mm's whole forward 14.8 against 16.9 ms at T=64 (8 rows), 16.9 against 17.8 at T=128, 26.3 against 21.3
-# at T=192 (24 rows)
-MEAN_ROWS = {True: 128, False: 20}
+# at T=192 (24 rows). With the kernel's sums reduced in registers (expert_rows.h's Sum4), three interleaved rounds,
+# fastest: 21.0 against 25.7 ms at T=192, 21.2 against 24.4 at 224, 22.6-25.2 against 25.2-25.5 at 256, 24.2
+# against 28.0 at 288 (36 rows); from 40 rows a tie or a loss: 35.8 against 28.0 at 320, 30.1-38.4 against
+# 31.2-31.6 at 384, 34.2 against 35.3 at 448, 36.9 against 37.5 at 512
+MEAN_ROWS = {True: 128, False: 40}
 _LIBRARY: dict[str, Callable[..., int | None]] = {}  # entry name: its ctypes function
 _INDEX = ctypes.POINTER(ctypes.c_int64)
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

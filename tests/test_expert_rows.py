@@ -182,10 +182,10 @@ def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
 @pytest.mark.parametrize("way", list(WAYS))
 @needs_kernel
 def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, k, monkeypatch):
-    """bfloat16 without a down bias, where the forward runs on the row kernel (with AMX at any rows per expert,
-    else under ROW_KERNEL_MEAN_ROWS): the down projection is expert_rows_add's custom call, which adds the rows
-    into the token rows; without AMX at 72 rows per expert, XLA's dots and scatter-add instead. The forward and
-    every gradient match the float64 reference each way."""
+    """bfloat16 without a down bias, where the forward runs on the row kernel (under ROW_KERNEL_MEAN_ROWS, None:
+    at any rows per expert): the down projection is expert_rows_add's custom call, which adds the rows into the
+    token rows; elsewhere (and with the kernel off), XLA's dots and scatter-add instead. The forward and every
+    gradient match the float64 reference each way."""
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
     if way == "amx" and not expert_rows.amx():
         pytest.skip("the CPU has no AMX")
