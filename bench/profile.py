@@ -2,8 +2,11 @@
 
     python -m bench.profile --config qwen3-30b-a3b --tokens 1,4 --backends batched_mm,transformers:batched_mm
     python -m bench.profile --device cpu --config tiny --tokens 4 --modes fwd --out profile.json
+    python -m bench.profile --tokens 64 --backends grouped_mm,transformers:grouped_mm --modes fwd+bwd \
+        --compile-mode max-autotune-no-cudagraphs
 
-For each point (config x tokens x backend x mode, uncompiled, the benchmark's inputs and calls), after a warm-up:
+For each point (config x tokens x backend x mode, the benchmark's inputs and calls; uncompiled, or built as the
+benchmark's compiled series in the ``--compile-mode`` the spec's compile table allows), after a warm-up:
 ``host_ms`` is the host time per call with the calls issued back to back and no sync between them (on CUDA the
 launch path: argument checks, Python, dispatch); then ``--calls`` calls run under ``torch.profiler`` and each op is
 reported per call: its count, its own host time, and on CUDA its kernels' device time (``kernels``: launches per
@@ -26,7 +29,7 @@ import torch
 from . import environment
 from .configs import get_configs, parse_tokens
 from .inputs import make_sets, make_weights
-from .runners import TorchRunner
+from .runners import COMPILE_PREFERENCE, TorchRunner
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -70,18 +73,22 @@ def kernel_launches(rows: Sequence[dict]) -> float:
     return sum(r["count"] for r in rows if "LaunchKernel" in r["op"] or r["op"].startswith("cuLaunch"))
 
 
-def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, calls: int) -> dict:
-    call = runner.build(backend, mode, None)
+def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, calls: int,
+                  compile_mode: str | None = None) -> dict:
+    call = runner.build(backend, mode, compile_mode)
     for i in range(2 * n_sets):  # warm-up (allocator, caches, lazy imports)
         call(i % n_sets)
     host = host_ms(call, n_sets, calls, runner.device)
     rows = op_table(call, n_sets, calls, runner.device)
-    return {"backend": backend, "mode": mode, "host_ms": host, "kernels": kernel_launches(rows),
+    return {"backend": backend, "mode": mode, "compile_mode": compile_mode, "host_ms": host,
+            "kernels": kernel_launches(rows),
             "device_ms": sum(r["device_ms"] for r in rows), "ops": rows}
 
 
 def render(point: dict, top: int) -> str:
-    lines = [f"{point['config']} T={point['tokens']} {point['backend']} {point['mode']}: host {point['host_ms']:.3f} "
+    compiled = f" compiled-{point['compile_mode']}" if point.get("compile_mode") else ""
+    lines = [f"{point['config']} T={point['tokens']} {point['backend']} {point['mode']}{compiled}: "
+             f"host {point['host_ms']:.3f} "
              f"ms/call, {point['kernels']:.0f} kernel launches/call, device {point['device_ms']:.3f} ms/call"]
     for r in point["ops"][:top]:
         lines.append(f"  {r['device_ms']:9.4f} dev ms  {r['host_ms']:9.4f} host ms  {r['count']:6.1f}x  {r['op'][:90]}")
@@ -99,9 +106,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sets", type=int, default=3)
     p.add_argument("--calls", type=int, default=10, help="calls profiled (and timed for host_ms) per point")
     p.add_argument("--top", type=int, default=12, help="ops printed per point")
+    p.add_argument("--compile-mode", default="off",
+                   help="off (uncompiled), or the torch.compile mode to build each point in (one of "
+                        f"{', '.join(COMPILE_PREFERENCE)}; a backend whose spec does not allow it is skipped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write every point's full op table here (JSON)")
     args = p.parse_args(argv)
+    if args.compile_mode != "off" and args.compile_mode not in COMPILE_PREFERENCE:
+        raise SystemExit(f"--compile-mode: expected off or one of {list(COMPILE_PREFERENCE)}, "
+                         f"got {args.compile_mode!r}")
+    compile_mode = None if args.compile_mode == "off" else args.compile_mode
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     runner = TorchRunner(device)
     available = runner.availability()
@@ -117,9 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if available[backend] is not None:
                     print(f"skipped {backend}: {available[backend]}", file=sys.stderr)
                     continue
+                skip = compile_mode and runner.variants(backend, args.dtype, [True], compile_mode)[compile_mode]
+                if skip:
+                    print(f"skipped {backend}: {skip}", file=sys.stderr)
+                    continue
                 for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
                     point = {"config": cfg.name, "tokens": tokens} | profile_point(runner, backend, mode, args.sets,
-                                                                                    args.calls)
+                                                                                    args.calls, compile_mode)
                     points.append(point)
                     print(render(point, args.top), flush=True)
             runner.release()

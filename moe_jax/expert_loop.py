@@ -323,11 +323,11 @@ def _backward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_
         grads = ()
         acc = tuple(expert_rows.zeros((token.shape[0], width), bits_dtype(x.dtype)) for width in (N, H, I))
     else:
-        # (with biases, in another dtype, or above WEIGHT_GRADS_MEAN_ROWS) the library's zeros release the pages of the weight
-        # gradients where most experts get no slot (fewer slots than experts); where most get some, XLA's own zeros
-        # were faster (measured on this path before moe_weight_grads, qwen3-cpu training step on a 2-core Xeon: 46
-        # against 61 ms at T=4, 79 against 82 at T=8, 109 against 100 at T=16, 122 against 113 at T=64, 143 against
-        # 122 at T=256; memset from the library instead, 90, 112, 129, 162, 187 ms: XLA's buffers are fresh)
+        # (with biases, in another dtype, or above WEIGHT_GRADS_MEAN_ROWS) the library's zeros release the pages of
+        # the weight gradients where most experts get no slot (fewer slots than experts); where most get some, XLA's
+        # own zeros were faster (measured on this path before moe_weight_grads, qwen3-cpu training step on a 2-core
+        # Xeon: 46 against 61 ms at T=4, 79 against 82 at T=8, 109 against 100 at T=16, 122 against 113 at T=64, 143
+        # against 122 at T=256; memset from the library instead, 90, 112, 129, 162, 187 ms: XLA's buffers are fresh)
         zeros = expert_rows.zeros if row_kernel and S < E else jnp.zeros
         grads = tuple(None if a is None else zeros(a.shape, a.dtype) for a in (down, gate_up, down_bias, gate_up_bias))
         acc = (jnp.zeros((H, I), jnp.float32), jnp.zeros((N, H), jnp.float32),

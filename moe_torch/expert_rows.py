@@ -1,4 +1,5 @@
-"""The CPU row kernel for torch: few rows per expert times the expert's bfloat16 weights read where they lie.
+"""The CPU row kernel for torch: few rows per expert times the expert's bfloat16 weights read where they lie, either
+orientation, and the weight gradients of rows grouped by expert (``weight_grads``).
 
 At decode, ``torch.mm`` on an expert's weights (oneDNN) takes as long for one row as for 16 or 32: qwen3-cpu's
 gate/up weights [768, 1024] on a 2-core Xeon with AMX, 79-85 us per expert at 1 to 16 rows, against 47-50 us on
@@ -39,11 +40,23 @@ PROFILER_NAME = "moe_torch::expert_rows"
 # against 28.0 at 288 (36 rows); from 40 rows a tie or a loss: 35.8 against 28.0 at 320, 30.1-38.4 against
 # 31.2-31.6 at 384, 34.2 against 35.3 at 448, 36.9 against 37.5 at 512
 MEAN_ROWS = {True: 128, False: 40}
+# the same for the other orientation (rows times an expert's weights, not transposed: a backward's products through
+# the weights) and for weight gradients (moe_weight_grads: each expert's written once in bfloat16), by amx(). Without
+# AMX, on a 2-core EPYC, grouped_mm's qwen3-cpu training step (three interleaved rounds, fastest): with the other
+# orientation on the kernel, 17.7 against 19.3 ms at T=4, 30.0 against 30.5 at T=16 (2 rows), but 63.9 against 53.0
+# at 16 rows and 99.6 against 72.6 at 32; with the weight gradients on it, 19.3 against 25.2 at T=4, 30.5 against
+# 43.6 at 16, 45.0 against 47.1 at 64, 53.0 against 51.9 at 128, 72.6 against 86.2 at 256 (qwen3-cpu's gate/up
+# gradient alone: 4.9, 6.5, 12.4 ms at 2, 8, 32 rows per expert against 7.8, 8.6, 15.3 for torch.mm per expert).
+# With AMX, not measured against oneDNN's AMX matmuls: 0, never
+TRANSPOSED_MEAN_ROWS = {True: 0, False: 8}
+WEIGHT_GRADS_MEAN_ROWS = {True: 0, False: None}
 _LIBRARY: dict[str, Callable[..., int | None]] = {}  # entry name: its ctypes function
 _INDEX = ctypes.POINTER(ctypes.c_int64)
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ENTRIES = {  # name: (result, arguments)
-    "moe_grouped_rows": (_INT, [_P, _I64, _P, _P, _I64, _I64, _I64, _INDEX, _INDEX, _INDEX, _INDEX, _INT, _INT]),
+    "moe_grouped_rows": (_INT, [_P, _I64, _P, _P, _I64, _I64, _I64, _INDEX, _INDEX, _INDEX, _INDEX, _INT, _INT,
+                                _INT]),
+    "moe_weight_grads": (None, [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "moe_combine_slots": (None, [_P, _I64, _P, _P, _P, _P, _INT, _I64, _I64, _I64, _INT]),
     "moe_zero_bytes": (None, [_P, _I64]),
 }
@@ -95,34 +108,64 @@ def applies_compiled(x: torch.Tensor, table: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() and _takes(x, table) and _enabled_when_compiled()
 
 
-def expert_groups(offs: torch.Tensor) -> tuple[list[int], list[int], list[int]] | None:
+def _under(bounds: dict, rows: int, groups: int) -> bool:
+    bound = bounds[amx()]
+    return bound is None or rows < bound * max(groups, 1)
+
+
+def expert_groups(offs: torch.Tensor, bounds: dict = MEAN_ROWS) -> tuple[list[int], list[int], list[int]] | None:
     """(first row, rows, expert) of each expert with rows, from the int32 end offsets ``offs`` of rows sorted by
-    expert (one host read), if the mean rows per such expert is under MEAN_ROWS; else None."""
+    expert (one host read), if the mean rows per such expert is under this host's bound in ``bounds`` (MEAN_ROWS,
+    TRANSPOSED_MEAN_ROWS); else None."""
     starts, counts, experts, start = [], [], [], 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
             starts.append(start), counts.append(end - start), experts.append(e)
         start = end
-    return (starts, counts, experts) if start < MEAN_ROWS[amx()] * max(len(counts), 1) else None
+    return (starts, counts, experts) if _under(bounds, start, len(counts)) else None
 
 
 def grouped_rows(x: torch.Tensor, table: torch.Tensor, out_rows: int, x_row: Sequence[int], out_row: Sequence[int],
-                 rows: Sequence[int], expert: Sequence[int]) -> torch.Tensor:
+                 rows: Sequence[int], expert: Sequence[int], *, transposed: bool = False) -> torch.Tensor:
     """float32 [out_rows, N]: for each group g, ``rows[g]`` rows of ``x`` from ``x_row[g]`` times
-    ``table[expert[g]]`` [N, K] transposed, written from row ``out_row[g]``; rows no group writes are left as
-    allocated. Call where ``applies(x, table)``; the groups must lie inside ``x`` and the output."""
+    ``table[expert[g]]`` [N, K] transposed, written from row ``out_row[g]``; with ``transposed``, rows of x [*, N]
+    times ``table[expert[g]]`` into [out_rows, K]. Rows no group writes are left as allocated. Call where
+    ``applies(x, table)``; the groups must lie inside ``x`` and the output."""
     N, K = table.shape[1:]
-    out = torch.empty(out_rows, N, dtype=torch.float32)
+    out = torch.empty(out_rows, K if transposed else N, dtype=torch.float32)
     groups = len(rows)
     if groups == 0 or N == 0:
         return out
     arrays = [(ctypes.c_int64 * groups)(*values) for values in (x_row, out_row, rows, expert)]
     with torch.profiler.record_function(PROFILER_NAME):  # what the profiler shows (ctypes calls are not ops)
         refused = _LIBRARY["moe_grouped_rows"](x.data_ptr(), x.stride(0), table.data_ptr(), out.data_ptr(), N, K,
-                                               groups, *arrays, int(amx()), torch.get_num_threads())
+                                               groups, *arrays, int(transposed), int(amx()), torch.get_num_threads())
     if refused:
         raise RuntimeError("moe_torch's CPU row kernel: the kernel refused AMX tile data")
     return out
+
+
+def weight_grads_apply(rows: torch.Tensor, inputs: torch.Tensor, num_experts: int) -> bool:
+    """Whether ``weight_grads`` takes these here, in eager mode: contiguous bfloat16 CPU rows, the library enabled,
+    under WEIGHT_GRADS_MEAN_ROWS rows per expert."""
+    return (rows.device.type == "cpu" and rows.dtype == inputs.dtype == torch.bfloat16 and rows.dim() == 2
+            and inputs.dim() == 2 and rows.shape[0] == inputs.shape[0] and rows.is_contiguous()
+            and inputs.is_contiguous() and not torch.compiler.is_compiling() and enabled()
+            and _under(WEIGHT_GRADS_MEAN_ROWS, rows.shape[0], num_experts))
+
+
+def weight_grads(rows: torch.Tensor, inputs: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+    """Into ``out`` [E, N, K] (bfloat16, contiguous): for each expert e with rows, ``rows[its rows].T @
+    inputs[its rows]`` for rows [R, N] and inputs [R, K] grouped by expert at the int32 end offsets ``offs``, summed
+    in float32 and rounded once (``weight_grads.h``); the other experts' are left as they are. Call where
+    ``weight_grads_apply(rows, inputs, E)``."""
+    E, N, K = out.shape
+    end = offs.to(torch.int32).contiguous()
+    start = torch.cat([end.new_zeros(1), end[:-1]])
+    right_row = torch.arange(rows.shape[0], dtype=torch.int32)
+    with torch.profiler.record_function("moe_torch::weight_grads"):
+        _LIBRARY["moe_weight_grads"](rows.data_ptr(), inputs.data_ptr(), right_row.data_ptr(), start.data_ptr(),
+                                     end.data_ptr(), out.data_ptr(), E, N, K, torch.get_num_threads())
 
 
 def combines(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> bool:

@@ -477,6 +477,23 @@ def test_profile_reports_each_points_ops(tmp_path, capsys):
     assert "batched_mm fwd: host" in capsys.readouterr().out
 
 
+def test_profile_builds_the_compiled_series_where_the_spec_allows(capsys):
+    """--compile-mode builds each point as the benchmark's compiled series does (torch.compile ran: dynamo counted a
+    frame), skips a backend whose spec does not allow the mode, and names a mode it does not know."""
+    from bench import profile
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    assert profile.main(["--device", "cpu", "--config", "tiny", "--tokens", "2", "--modes", "fwd", "--backends",
+                         "eager,grouped_mm", "--calls", "1", "--compile-mode", "default"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped eager: not compiled: not fullgraph-compatible" in captured.err
+    assert "grouped_mm fwd compiled-default: host" in captured.out and "eager fwd" not in captured.out
+    assert counters["stats"]["unique_graphs"] >= 1
+    with pytest.raises(SystemExit, match="--compile-mode: expected off or one of"):
+        profile.main(["--device", "cpu", "--config", "tiny", "--compile-mode", "fastest"])
+
+
 def test_profile_names_an_unknown_backend():
     from bench import profile
 

@@ -511,13 +511,19 @@ def _torch_ops(fn) -> dict[str, int]:
 @needs_torch_kernel
 def test_torch_backends_run_the_row_kernel(backend, monkeypatch):
     """bfloat16 on the CPU at few rows per expert: one kernel call per projection (no matmul op) at inference, and
-    in batched_mm's training forward (its autograd functions' own backward); none in float32 or with
-    MOE_TORCH_ROW_KERNEL=off, nor in grouped_mm's differentiated forward. Forward and every gradient within the
-    tolerance table each way."""
+    in the training forward (batched_mm's autograd functions, grouped_mm's training step); grouped_mm's training
+    step's backward also runs its two products through the weights on the kernel (under TRANSPOSED_MEAN_ROWS), and
+    both backends' backwards their two weight gradients in moe_weight_grads (under WEIGHT_GRADS_MEAN_ROWS). None of
+    it in float32 or with MOE_TORCH_ROW_KERNEL=off. Forward and every gradient within the tolerance table each way."""
     arrays, dy = random_case(23, T=24, H=96, I=48, E=6, k=2, bias=False, empty_fraction=0.1)
     args = [arrays[n] for n in ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")]
     expected = reference.experts_backward(*args, dy, activation="silu")
     expected["out"] = reference.experts_forward(*args, activation="silu")
+    rows = int((arrays["top_k_index"] >= 0).sum())  # 48 slots, about a tenth empty: under 8 rows per expert
+    transposed = torch_rows.TRANSPOSED_MEAN_ROWS[torch_rows.amx()]
+    weight_grads = torch_rows.WEIGHT_GRADS_MEAN_ROWS[torch_rows.amx()]
+    hit = len(np.unique(arrays["top_k_index"][arrays["top_k_index"] >= 0]))
+    under = lambda bound: bound is None or rows < bound * hit
 
     def run(dtype, train):
         values = {n: torch.from_numpy(np.ascontiguousarray(a)) if n == "top_k_index" else
@@ -532,10 +538,14 @@ def test_torch_backends_run_the_row_kernel(backend, monkeypatch):
 
         ops = _torch_ops(call)
         grads = {n: v.grad for n, v in values.items() if train and n in DIFF_ARGS}
-        return ops.get(torch_rows.PROFILER_NAME, 0), result["out"].detach(), grads
+        calls = (ops.get(torch_rows.PROFILER_NAME, 0), ops.get("moe_torch::weight_grads", 0))
+        return calls, result["out"].detach(), grads
 
-    cases = [("auto", torch.bfloat16, False, 2), ("off", torch.bfloat16, False, 0), ("auto", torch.float32, False, 0),
-             ("auto", torch.bfloat16, True, 2 if backend == "batched_mm" else 0)]
+    step = backend == "grouped_mm"
+    trained = (2 + 2 * (step and under(transposed)), 2 * under(weight_grads))
+    cases = [("auto", torch.bfloat16, False, (2, 0)), ("off", torch.bfloat16, False, (0, 0)),
+             ("auto", torch.float32, False, (0, 0)), ("auto", torch.bfloat16, True, trained),
+             ("off", torch.bfloat16, True, (0, 0)), ("auto", torch.float32, True, (0, 0))]
     for setting, dtype, train, calls in cases:
         monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", setting)
         ran, out, grads = run(dtype, train)
@@ -713,3 +723,44 @@ def test_torch_row_kernel_says_why_it_cannot_run(fresh_torch_state, monkeypatch)
     monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", "yes")
     with pytest.raises(ValueError, match=r"MOE_TORCH_ROW_KERNEL: expected one of \('auto', 'on', 'off'\), got 'yes'"):
         torch_rows.applies(x, table)
+
+
+@pytest.mark.parametrize("S, N, K, E", [(13, 40, 24, 5), (64, 96, 272, 8), (9, 17, 33, 3)])
+@needs_kernel
+@needs_torch_kernel
+def test_torch_and_jax_weight_grads_and_transposed_rows_are_the_same_bits(S, N, K, E, monkeypatch):
+    """The same kernels through both bindings: torch's grouped_mm weight gradient (moe_weight_grads on torch's
+    OpenMP team, idle experts zeroed by the caller) and its product of rows through each expert's weights (the
+    transposed row kernel, where TRANSPOSED_MEAN_ROWS takes it) give JAX's calls' bits; both within one bfloat16
+    rounding of the float64 sums (odd row counts, K and N off multiples of 16 and 32, an expert without rows)."""
+    from moe_torch.backends.grouped_mm import grouped_linear, grouped_weight_grad
+
+    monkeypatch.setattr(torch_rows, "WEIGHT_GRADS_MEAN_ROWS", {True: None, False: None})
+    monkeypatch.setattr(torch_rows, "TRANSPOSED_MEAN_ROWS", {True: None, False: None})
+    rng = np.random.default_rng(S + N)
+    left, right = rng.standard_normal((S, N)), rng.standard_normal((S, K))
+    weights = rng.standard_normal((E, N, K))
+    ends = np.sort(rng.integers(0, S + 1, E)).astype(np.int32)
+    ends[-1] = S
+    ends[1] = ends[0]  # expert 1 without rows
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int32)
+    as_torch = lambda a: torch.from_numpy(np.ascontiguousarray(a)).bfloat16()
+    L, R, W = (np.asarray(as_torch(a).double()) for a in (left, right, weights))
+
+    grads = grouped_weight_grad(as_torch(left), as_torch(right), torch.from_numpy(ends), E)
+    want = np.stack([L[a:b].T @ R[a:b] for a, b in zip(starts, ends)])
+    got = grads.double().numpy()
+    assert np.all(got[1] == 0) and np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 1e-30)
+    same = lambda a: jnp.asarray(as_torch(a).float().numpy(), jnp.bfloat16)  # torch's bfloat16 bits, exactly
+    from_jax = expert_rows.weight_grads(same(left), same(right),
+                                        jnp.arange(S, dtype=jnp.int32), jnp.asarray(starts), jnp.asarray(ends))
+    np.testing.assert_array_equal(np.asarray(from_jax.astype(jnp.float32)), grads.float().numpy())
+
+    table = as_torch(weights)
+    through = grouped_linear(as_torch(left), table.transpose(1, 2), torch.from_numpy(ends))  # left @ W[e]
+    want = np.concatenate([L[a:b] @ W[e] for e, (a, b) in enumerate(zip(starts, ends))])
+    assert np.all(np.abs(through.double().numpy() - want) <= 2.0 ** -8 * np.abs(want) + 1e-6)
+    jax_rows = [np.asarray(expert_rows.expert_rows_transposed(same(left[a:b]), same(weights), e, b - a))
+                for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
+    rounded = jnp.asarray(np.concatenate(jax_rows)).astype(jnp.bfloat16).astype(jnp.float32)  # as torch's output
+    np.testing.assert_array_equal(np.asarray(rounded), through[:ends[-1]].float().numpy())
