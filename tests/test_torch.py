@@ -702,10 +702,12 @@ def test_grouped_mm_training_step_is_one_node_with_the_composed_bits(trained, k_
     """On the devices of TRAINING_STEP_DEVICES (CUDA; here the CPU), grouped_mm's training with a named activation
     runs as one autograd node whose inputs' gradients go straight to them, with the bits of the composed path in
     the forward and every gradient: the weight gradients by the per-expert loop and as one K-grouped matmul; empty
-    slots and an idle expert included."""
+    slots and an idle expert included. With the CPU row kernel off: on, the step runs its matmuls on the kernel
+    (the composed path's are differentiated by autograd, so they cannot), whose sums may differ in the last bit."""
     from moe_shared import reference
     from moe_torch.backends import grouped_mm
 
+    monkeypatch.setenv("MOE_TORCH_ROW_KERNEL", "off")
     monkeypatch.setattr(grouped_mm, "K_GROUPED_DEVICES", ("cpu",) if k_grouped else ())
 
     def forward(tensors, fused):
