@@ -158,7 +158,7 @@ ffi::Error WeightGrads(ffi::ThreadPool pool, ffi::AnyBuffer left, ffi::AnyBuffer
   auto job = std::make_shared<moe_rows::WeightGradsJob>(moe_rows::WeightGradShape{
       static_cast<const uint16_t*>(left.untyped_data()), static_cast<const uint16_t*>(right.untyped_data()), rows,
       first, last, static_cast<uint16_t*>(out->untyped_data()), od[0], od[1], od[2]});
-  if (job->units() > 1) pool.Schedule([job] { job->Run(); });  // a task that starts late finds no unit left
+  if (job->chunks() > 1) pool.Schedule([job] { job->Run(); });  // a task that starts late finds no unit left
   job->ZeroIdle();
   job->Run();
   job->Wait();

@@ -23,8 +23,8 @@ namespace {
 // compete for the cores with torch's workers, which spin a while after each op (on a 2-core EPYC, a quarter of a
 // qwen3-cpu decode call went to libgomp's spinning).
 template <class Job>
-void RunOnThreads(Job& job, int64_t chunks, int threads) {
-  if (threads > 1 && chunks > 1) {
+void RunOnThreads(Job& job, int threads) {
+  if (threads > 1 && job.chunks() > 1) {
 #pragma omp parallel num_threads(threads)
     job.Run();
   } else {
@@ -45,7 +45,7 @@ extern "C" int moe_grouped_rows(const uint16_t* x, int64_t x_stride, const uint1
                     x_stride});
   moe_rows::Job job;
   if (!job.Prepare(std::move(list), shape, amx != 0)) return 1;
-  RunOnThreads(job, job.chunks(), threads);
+  RunOnThreads(job, threads);
   return 0;
 }
 
@@ -53,7 +53,7 @@ extern "C" void moe_weight_grads(const uint16_t* left, const uint16_t* right, co
                                  const int32_t* start, const int32_t* end, uint16_t* out, int64_t E, int64_t N,
                                  int64_t K, int threads) {
   moe_rows::WeightGradsJob job({left, right, right_row, start, end, out, E, N, K});
-  RunOnThreads(job, job.units(), threads);
+  RunOnThreads(job, threads);
 }
 
 extern "C" void moe_combine_slots(const uint16_t* y, int64_t y_stride, const int64_t* order, const bool* empty,
@@ -66,7 +66,7 @@ extern "C" void moe_combine_slots(const uint16_t* y, int64_t y_stride, const int
   moe_rows::ChunkJob job((T + per_chunk - 1) / per_chunk, [&args, per_chunk](int64_t c) {
     moe_rows::CombineChunk(args, c * per_chunk, std::min(args.T, (c + 1) * per_chunk));
   });
-  RunOnThreads(job, job.chunks(), threads);
+  RunOnThreads(job, threads);
 }
 
 extern "C" void moe_zero_bytes(void* data, int64_t bytes) { moe_rows::ZeroBytes(data, static_cast<size_t>(bytes)); }

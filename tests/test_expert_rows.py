@@ -523,7 +523,7 @@ def test_torch_backends_run_the_row_kernel(backend, monkeypatch):
     transposed = torch_rows.TRANSPOSED_MEAN_ROWS[torch_rows.amx()]
     weight_grads = torch_rows.WEIGHT_GRADS_MEAN_ROWS[torch_rows.amx()]
     hit = len(np.unique(arrays["top_k_index"][arrays["top_k_index"] >= 0]))
-    under = lambda bound: bound is None or rows < bound * hit
+    under = lambda bound, experts: bound is None or rows < bound * experts  # per hit expert, or per expert
 
     def run(dtype, train):
         values = {n: torch.from_numpy(np.ascontiguousarray(a)) if n == "top_k_index" else
@@ -542,7 +542,7 @@ def test_torch_backends_run_the_row_kernel(backend, monkeypatch):
         return calls, result["out"].detach(), grads
 
     step = backend == "grouped_mm"
-    trained = (2 + 2 * (step and under(transposed)), 2 * under(weight_grads))
+    trained = (2 + 2 * (step and under(transposed, hit)), 2 * under(weight_grads, 6))
     cases = [("auto", torch.bfloat16, False, (2, 0)), ("off", torch.bfloat16, False, (0, 0)),
              ("auto", torch.float32, False, (0, 0)), ("auto", torch.bfloat16, True, trained),
              ("off", torch.bfloat16, True, (0, 0)), ("auto", torch.float32, True, (0, 0))]

@@ -49,7 +49,7 @@ class WeightGradsJob {
   explicit WeightGradsJob(const WeightGradShape& s)
       : s_(s), units_per_expert_((s.N + kGradRows - 1) / kGradRows), units_(s.E * units_per_expert_) {}
 
-  int64_t units() const { return units_; }
+  int64_t chunks() const { return units_; }  // units of work, as the other jobs call them
 
   void Run() {
     std::vector<uint32_t> left_pairs;  // this thread's
