@@ -497,7 +497,10 @@ VARIANT_TOKENS = 4096
 # GEMV tiles of the decode kernels (BM unused): wider loads and more warps keep more bytes in flight per SM
 DECODE_STEP_VARIANTS = [C(1, 16, 256, 4, 2), C(1, 32, 256, 4, 2), C(1, 16, 512, 4, 2), C(1, 16, 512, 8, 2),
                         C(1, 32, 512, 8, 2), C(1, 16, 1024, 8, 2), C(1, 8, 1024, 8, 2), C(1, 8, 512, 4, 2),
-                        C(1, 32, 256, 8, 3), C(1, 64, 256, 8, 2), C(1, 16, 256, 4, 3), C(1, 8, 2048, 8, 2)]
+                        C(1, 32, 256, 8, 3), C(1, 64, 256, 8, 2), C(1, 16, 256, 4, 3), C(1, 8, 2048, 8, 2),
+                        # the down kernel's [k, BN, BK] blocks: narrower tiles keep them in registers
+                        C(1, 4, 256, 4, 2), C(1, 4, 512, 4, 2), C(1, 8, 256, 8, 2), C(1, 4, 1024, 8, 2),
+                        C(1, 2, 1024, 4, 2), C(1, 8, 128, 4, 3), C(1, 16, 128, 8, 2)]
 # kind -> (kernels, the candidates given the step's own config, the token counts it runs at: None for every point)
 VARIANTS = {
     "gemm": (("grouped_gemm_kernel",), lambda own: STEP_VARIANTS, (VARIANT_TOKENS,)),

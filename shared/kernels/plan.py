@@ -365,7 +365,8 @@ def forward_plan(problem: Problem, *, training: bool = False) -> Plan:
             Step("decode_down_combine_kernel", T * _cdiv(H, down.BN), ("act", "ids", "w", "down", down_bias, T),
                  (Buffer("out", (T, H), HIDDEN),),
                  dict(E=E, H=H, I=I, TOP_K=problem.k, stride_de=d_e, stride_dn=d_n, stride_dk=d_k,
-                      stride_bias_e=down_bias_stride, HAS_BIAS=down_has_bias, BN=down.BN, BK=down.BK),
+                      stride_bias_e=down_bias_stride, HAS_BIAS=down_has_bias, KP=_pow2(problem.k), BN=down.BN,
+                      BK=down.BK),
                  down.num_warps, down.num_stages),
         ]
         return _finish(steps, "out")
