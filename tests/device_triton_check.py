@@ -500,7 +500,10 @@ DECODE_STEP_VARIANTS = [C(1, 16, 256, 4, 2), C(1, 32, 256, 4, 2), C(1, 16, 512, 
                         C(1, 32, 256, 8, 3), C(1, 64, 256, 8, 2), C(1, 16, 256, 4, 3), C(1, 8, 2048, 8, 2),
                         # the down kernel's [k, BN, BK] blocks: narrower tiles keep them in registers
                         C(1, 4, 256, 4, 2), C(1, 4, 512, 4, 2), C(1, 8, 256, 8, 2), C(1, 4, 1024, 8, 2),
-                        C(1, 2, 1024, 4, 2), C(1, 8, 128, 4, 3), C(1, 16, 128, 8, 2)]
+                        C(1, 2, 1024, 4, 2), C(1, 8, 128, 4, 3), C(1, 16, 128, 8, 2),
+                        # and the down kernel one or two experts' tiles at a time
+                        *(C(1, bn, bk, w, 2, EXPERTS_TOGETHER=j) for j in (1, 2)
+                          for bn, bk, w in ((2, 1024, 4), (8, 2048, 8), (16, 512, 8), (4, 256, 4)))]
 # kind -> (kernels, the candidates given the step's own config, the token counts it runs at: None for every point)
 VARIANTS = {
     "gemm": (("grouped_gemm_kernel",), lambda own: STEP_VARIANTS, (VARIANT_TOKENS,)),
@@ -590,7 +593,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
                        "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC", c.get("DESC")),
                                   c.get("WARP_SPECIALIZE"), c.get("SHORT_TAILS"), c.get("A_DESC"),
-                                  c.get("PROGRAMS")]}
+                                  c.get("PROGRAMS"), c.get("JB")]}
                 gathers = [g for g in (plan.steps if plan else ()) if g.kernel == "gather_rows_kernel"
                            and g.outputs[0].name == step.inputs[0]]
                 if gathers:  # a gather this plan adds for this step alone: its time is the step's too
@@ -645,7 +648,7 @@ STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("d
              "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H),
              "decode_gate_up": lambda H, I: ("decode", I, H), "decode_down": lambda H, I: ("decode", H, I)}
 CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS",
-                 "A_TMA", "PROGRAMS")
+                 "A_TMA", "PROGRAMS", "EXPERTS_TOGETHER")
 
 
 MERGE_MARGIN = 0.05  # a variant replaces the step's own config only when this much faster (run-to-run noise)

@@ -172,16 +172,21 @@ def test_unchecked_out_of_range_ids_are_empty_slots():
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-@pytest.mark.parametrize("k", [3, 5])
-def test_decode_kernels_with_k_off_a_power_of_two_empty_slots_and_biases(k):
-    """The decode down kernel loads all k experts' tiles as one [KP, BN, BK] block (KP = k rounded up to a power
-    of two): padded and empty slots add nothing; H and I off the tile sizes; torch and JAX give the same bits."""
+@pytest.mark.parametrize("k, together", [(3, 0), (5, 0), (5, 1), (5, 2)])
+def test_decode_kernels_with_k_off_a_power_of_two_empty_slots_and_biases(k, together, monkeypatch):
+    """The decode down kernel loads JB experts' tiles as one [JB, BN, BK] block (JB from the tile config's
+    EXPERTS_TOGETHER, 0: all k rounded up to a power of two): padded and empty slots add nothing; H and I off the
+    tile sizes; torch and JAX give the same bits."""
     from moe_shared import reference
 
+    monkeypatch.setitem(plans.OVERRIDES, ("decode", 40, 24, 6), plans.TileConfig(
+        BM=1, BN=16, BK=16, num_warps=4, num_stages=2, EXPERTS_TOGETHER=together))
+    plans.clear_caches()
     arrays, _ = random_case(16 + k, T=3, H=40, I=24, E=6, k=k, bias=True)
     arrays["top_k_index"][0, 1], arrays["top_k_index"][2, k - 1] = -1, 11  # an empty slot, an unchecked id
-    assert [s.kernel for s in plans.forward_plan(_problem(T=3, k=k, E=6, H=40, I=24)).steps][-1:] == [
-        "decode_down_combine_kernel"]
+    down = plans.forward_plan(_problem(T=3, k=k, E=6, H=40, I=24)).steps[-1]
+    assert (down.kernel, down.constants["KP"], down.constants["JB"]) == (
+        "decode_down_combine_kernel", 8 if k == 5 else 4, together or (8 if k == 5 else 4))
     ours = torch_run(arrays, "float32", training=False)["out"]
     cleaned = dict(arrays, top_k_index=np.where(arrays["top_k_index"] < 6, arrays["top_k_index"], -1))
     want = reference.experts_forward(**cleaned)
@@ -189,6 +194,7 @@ def test_decode_kernels_with_k_off_a_power_of_two_empty_slots_and_biases(k):
     for dtype in ("bfloat16", "float32"):
         np.testing.assert_array_equal(jax_run(arrays, dtype, training=False)["out"],
                                       torch_run(arrays, dtype, training=False)["out"])
+    plans.clear_caches()
 
 
 def test_every_run_gives_the_same_bits():

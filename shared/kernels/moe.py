@@ -519,37 +519,38 @@ def decode_down_combine_kernel(act_ptr, ids_ptr, w_ptr, down_ptr, bias_ptr, T, o
                                E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                                stride_de: tl.constexpr, stride_dn: tl.constexpr, stride_dk: tl.constexpr,
                                stride_bias_e: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                               KP: tl.constexpr, JB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[t, n] = sum_j w[t, j] * (down[e_j] @ act[t*k + j] + bias), the down projection and the combine of
-    one token in one program (KP: k rounded up to a power of two). The k experts' [BN, BK] weight tiles are loaded together (one [k, BN, BK] block per
-    step: k times the bytes in flight of one expert at a time); empty slots load nothing and add zero; the sum over
-    j is one fixed-order reduction."""
+    one token in one program. The slots' [BN, BK] weight tiles load JB experts at a time as one [JB, BN, BK] block
+    (JB a power of two dividing KP, k rounded up to a power of two: more bytes in flight than one expert at a
+    time); empty and padding slots load nothing and add zero; the sums over j run in one fixed order."""
     pid = tl.program_id(0)
     num_n: tl.constexpr = (H + BN - 1) // BN
     t = pid // num_n
     offs_n = (pid % num_n) * BN + tl.arange(0, BN)
     n_live = offs_n < H
     offs_k = tl.arange(0, BK)
-    offs_j = tl.arange(0, KP)
-    slots = t.to(tl.int64) * TOP_K + offs_j
-    experts = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=-1)
-    routed = _routed(experts, E)
-    a_rows = act_ptr + slots * I
-    d_rows = (down_ptr + tl.where(routed, experts, 0).to(tl.int64)[:, None, None] * stride_de
-              + offs_n[None, :, None] * stride_dn)
-    d_live = routed[:, None, None] & n_live[None, :, None]
-    acc = tl.zeros([KP, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        k_live = offs_k < I - k0
-        a = tl.load(a_rows[:, None] + k0 + offs_k[None, :], mask=routed[:, None] & k_live[None, :],
-                    other=0.0).to(tl.float32)
-        d = tl.load(d_rows + (k0 + offs_k)[None, None, :] * stride_dk, mask=d_live & k_live[None, None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(d * a[:, None, :], 2)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + tl.where(routed, experts, 0).to(tl.int64)[:, None] * stride_bias_e
-                       + offs_n[None, :], mask=routed[:, None] & n_live[None, :], other=0.0).to(tl.float32)
-    y = acc.to(down_ptr.dtype.element_ty).to(tl.float32)
-    weights = tl.load(w_ptr + slots, mask=routed, other=0.0).to(tl.float32)
-    total = tl.sum(weights[:, None] * y, 0)
+    total = tl.zeros([BN], dtype=tl.float32)
+    for j0 in tl.static_range(0, KP, JB):
+        offs_j = j0 + tl.arange(0, JB)
+        slots = t.to(tl.int64) * TOP_K + offs_j
+        experts = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=-1)
+        routed = _routed(experts, E)
+        rows = tl.where(routed, experts, 0).to(tl.int64)
+        a_rows = act_ptr + slots * I
+        d_rows = down_ptr + rows[:, None, None] * stride_de + offs_n[None, :, None] * stride_dn
+        d_live = routed[:, None, None] & n_live[None, :, None]
+        acc = tl.zeros([JB, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            k_live = offs_k < I - k0
+            a = tl.load(a_rows[:, None] + k0 + offs_k[None, :], mask=routed[:, None] & k_live[None, :],
+                        other=0.0).to(tl.float32)
+            d = tl.load(d_rows + (k0 + offs_k)[None, None, :] * stride_dk, mask=d_live & k_live[None, None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(d * a[:, None, :], 2)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows[:, None] * stride_bias_e + offs_n[None, :],
+                           mask=routed[:, None] & n_live[None, :], other=0.0).to(tl.float32)
+        y = acc.to(down_ptr.dtype.element_ty).to(tl.float32)
+        total += tl.sum(tl.load(w_ptr + slots, mask=routed, other=0.0).to(tl.float32)[:, None] * y, 0)
     tl.store(out_ptr + t.to(tl.int64) * H + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_live)

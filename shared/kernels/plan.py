@@ -97,6 +97,7 @@ class TileConfig:
     A_TMA: bool = False  # grouped GEMMs: the row tiles through tensor descriptors too (the gate/up GEMM then reads
     # x gathered into sorted order by a step before it)
     PROGRAMS: int = 0  # grouped GEMMs: persistent programs looping over the output tiles (0: one program per tile)
+    EXPERTS_TOGETHER: int = 0  # decode down kernel: the slots' experts whose weight tiles load as one block (0: all k)
 
 
 def _pow2(n: int) -> int:
@@ -105,6 +106,11 @@ def _pow2(n: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _experts_together(config: TileConfig, k: int) -> int:
+    """The decode down kernel's JB: a power of two dividing k rounded up to one."""
+    return min(_pow2(config.EXPERTS_TOGETHER), _pow2(k)) if config.EXPERTS_TOGETHER > 0 else _pow2(k)
 
 
 # --- tile configs: tuned entries per device and shape (data files), a documented default for the rest -----------
@@ -365,8 +371,8 @@ def forward_plan(problem: Problem, *, training: bool = False) -> Plan:
             Step("decode_down_combine_kernel", T * _cdiv(H, down.BN), ("act", "ids", "w", "down", down_bias, T),
                  (Buffer("out", (T, H), HIDDEN),),
                  dict(E=E, H=H, I=I, TOP_K=problem.k, stride_de=d_e, stride_dn=d_n, stride_dk=d_k,
-                      stride_bias_e=down_bias_stride, HAS_BIAS=down_has_bias, KP=_pow2(problem.k), BN=down.BN,
-                      BK=down.BK),
+                      stride_bias_e=down_bias_stride, HAS_BIAS=down_has_bias, KP=_pow2(problem.k),
+                      JB=_experts_together(down, problem.k), BN=down.BN, BK=down.BK),
                  down.num_warps, down.num_stages),
         ]
         return _finish(steps, "out")
