@@ -136,10 +136,12 @@ def default_config(kernel: str, N: int, K: int, rows_per_expert: float) -> TileC
     of 12 GEMM steps at T=4096 on the H200), SHORT_TAILS 1 from BM 32 on (an expert's last block with at most
     BM/2 rows runs a half-height tile: 3-13% faster for 14 of 16 GEMM steps of the three model shapes on the
     H200, tests/device_results/nvidia-h200-triton-steps-tails.json). ``wgrad``: 128 x 128 output tiles over 64-row
-    steps (BM is the row step). ``decode``: GEMV tiles of 32 outputs x 256 inputs.
+    steps (BM is the row step). ``decode``: GEMV tiles of 32 outputs x 256 inputs, the down kernel one expert's
+    tiles at a time (all k at once only where measured: a [k, BN, BK] block of wide tiles does not fit in
+    registers).
     """
     if kernel == "decode":
-        return TileConfig(BM=1, BN=32, BK=256, num_warps=4, num_stages=2)
+        return TileConfig(BM=1, BN=32, BK=256, num_warps=4, num_stages=2, EXPERTS_TOGETHER=1)
     if kernel == "wgrad":
         return TileConfig(BM=64, BN=min(128, max(16, _pow2(N))), BK=min(128, max(16, _pow2(K))), num_warps=8,
                           num_stages=3)
