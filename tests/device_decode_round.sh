@@ -11,19 +11,19 @@ K=$(python -c 'import moe_shared.kernels as k, os; print(os.path.dirname(k.__fil
 NAME=$(python -c 'import torch; from moe_shared.kernels import plan; print(plan.device_file_name(torch.cuda.get_device_name()))')
 if [ "${1:-}" = sweep ]; then
   POINTS=qwen3-30b-a3b:1,qwen3-30b-a3b:2,qwen3-30b-a3b:8,mixtral-8x7b:1,mixtral-8x7b:2,deepseek-v3:1,deepseek-v3:2
-  timeout -s TERM 220 python tests/device_triton_check.py --out "$OUT/steps" --parts steps --variant-kinds decode \
+  timeout -s TERM 170 python tests/device_triton_check.py --out "$OUT/steps" --parts steps --variant-kinds decode \
     --step-plans decode --step-points $POINTS > "$OUT/steps.log" 2>&1
   python tests/device_triton_check.py --merge-steps "$OUT/steps/triton-steps.json" --table "$K/configs/$NAME.json" \
     > "$OUT/merge.log" 2>&1
-  timeout -s TERM 100 python tests/device_triton_check.py --out "$OUT/threshold" --parts decode-threshold \
+  timeout -s TERM 60 python tests/device_triton_check.py --out "$OUT/threshold" --parts decode-threshold \
     --configs-out "$OUT/table" > "$OUT/threshold.log" 2>&1
   cp "$OUT/table/$NAME.json" "$K/configs/$NAME.json"
 fi
 run_bench() {
   local b="python -m bench --no-plot --modes fwd --compile off --rounds 2 --out $OUT/$1"
-  timeout -s TERM 150 $b --config qwen3-30b-a3b --tokens 1,2,4,8,16,64 --frameworks torch,jax \
+  timeout -s TERM 110 $b --config qwen3-30b-a3b --tokens 1,2,4,8,16,64 --frameworks torch,jax \
     --backends triton,batched_mm,transformers:batched_mm,transformers:grouped_mm > "$OUT/$1-qwen3.log" 2>&1
-  timeout -s TERM 80 $b --config mixtral-8x7b,deepseek-v3 --tokens 1,2,4 --frameworks torch,jax --backends triton \
+  timeout -s TERM 50 $b --config mixtral-8x7b,deepseek-v3 --tokens 1,2,4 --frameworks torch,jax --backends triton \
     > "$OUT/$1-big.log" 2>&1
 }
 run_bench new
