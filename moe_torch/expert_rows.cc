@@ -3,8 +3,8 @@
 //   weight tensor, each group `rows[g]` rows of x [*, K] from row x_row[g] times weights[expert[g]] transposed, into
 //   float32 out [*, N] from row out_row[g]; with `transposed`, rows of x [*, N] times weights[expert[g]] into out
 //   [*, K]. Returns 0, or 1 where AMX was asked for and the kernel refused it.
-// - moe_weight_grads: weight_grads.h's per-expert bfloat16 weight gradients of rows grouped by expert (the experts
-//   without rows are left as they are: the caller zeroes them).
+// - moe_weight_grads: weight_grads.h's per-expert bfloat16 weight gradients of rows grouped by expert; with
+//   `zero_idle`, zeros for the experts without rows (else they are left as they are: a buffer known to be zeros).
 // - moe_combine_slots: the weighted combine of slot_rows.h, reading rows in expert order where they lie.
 // - moe_zero_bytes: zero_pages.h's zeros (a large range's pages not in memory released rather than written).
 // Each call's chunks are taken by an OpenMP team of `threads` threads, the calling thread among them.
@@ -51,8 +51,9 @@ extern "C" int moe_grouped_rows(const uint16_t* x, int64_t x_stride, const uint1
 
 extern "C" void moe_weight_grads(const uint16_t* left, const uint16_t* right, const int32_t* right_row,
                                  const int32_t* start, const int32_t* end, uint16_t* out, int64_t E, int64_t N,
-                                 int64_t K, int threads) {
+                                 int64_t K, int zero_idle, int threads) {
   moe_rows::WeightGradsJob job({left, right, right_row, start, end, out, E, N, K});
+  if (zero_idle) job.ZeroIdle();
   RunOnThreads(job, threads);
 }
 

@@ -56,7 +56,7 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ENTRIES = {  # name: (result, arguments)
     "moe_grouped_rows": (_INT, [_P, _I64, _P, _P, _I64, _I64, _I64, _INDEX, _INDEX, _INDEX, _INDEX, _INT, _INT,
                                 _INT]),
-    "moe_weight_grads": (None, [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "moe_weight_grads": (None, [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT]),
     "moe_combine_slots": (None, [_P, _I64, _P, _P, _P, _P, _INT, _I64, _I64, _I64, _INT]),
     "moe_zero_bytes": (None, [_P, _I64]),
 }
@@ -154,18 +154,21 @@ def weight_grads_apply(rows: torch.Tensor, inputs: torch.Tensor, num_experts: in
             and _under(WEIGHT_GRADS_MEAN_ROWS, rows.shape[0], num_experts))
 
 
-def weight_grads(rows: torch.Tensor, inputs: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+def weight_grads(rows: torch.Tensor, inputs: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *,
+                 zero_idle: bool) -> None:
     """Into ``out`` [E, N, K] (bfloat16, contiguous): for each expert e with rows, ``rows[its rows].T @
     inputs[its rows]`` for rows [R, N] and inputs [R, K] grouped by expert at the int32 end offsets ``offs``, summed
-    in float32 and rounded once (``weight_grads.h``); the other experts' are left as they are. Call where
-    ``weight_grads_apply(rows, inputs, E)``."""
+    in float32 and rounded once (``weight_grads.h``); the other experts' zeros with ``zero_idle`` (written, or their
+    pages released where not in memory: ``zero_pages.h``), else left as they are (a buffer known to be zeros). Call
+    where ``weight_grads_apply(rows, inputs, E)``."""
     E, N, K = out.shape
     end = offs.to(torch.int32).contiguous()
     start = torch.cat([end.new_zeros(1), end[:-1]])
     right_row = torch.arange(rows.shape[0], dtype=torch.int32)
     with torch.profiler.record_function("moe_torch::weight_grads"):
         _LIBRARY["moe_weight_grads"](rows.data_ptr(), inputs.data_ptr(), right_row.data_ptr(), start.data_ptr(),
-                                     end.data_ptr(), out.data_ptr(), E, N, K, torch.get_num_threads())
+                                     end.data_ptr(), out.data_ptr(), E, N, K, int(zero_idle),
+                                     torch.get_num_threads())
 
 
 def combines(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> bool:

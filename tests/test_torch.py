@@ -840,16 +840,22 @@ def test_argument_and_requirement_checks_run_once_per_signature(monkeypatch):
             experts_forward(**tensors, implementation="batched_mm")
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["weight-grads-kernel", "per-expert-mm"])
 @pytest.mark.parametrize("pages", ["small", "fresh", "reused"])
-def test_loop_weight_gradient_zeroes_every_idle_expert_and_multiplies_the_others(pages, monkeypatch):
-    """The per-expert weight-gradient loop (CPU) leaves every idle expert zero (runs at the start, between active
-    ones and at the end) and gives each active expert grad[rows].T @ a[rows]: the K-grouped F.grouped_mm's bits. On
-    a small buffer (written zeros), on fresh pages of its own, and on pages reused from a freed buffer that held
-    NaN."""
+def test_loop_weight_gradient_zeroes_every_idle_expert_and_multiplies_the_others(pages, kernel, monkeypatch):
+    """The CPU weight gradient (one moe_weight_grads call where the library takes it, which zeroes the idle experts
+    itself, else a per-expert loop) leaves every idle expert zero (runs at the start, between active ones and at the
+    end) and gives each active expert grad[rows].T @ a[rows]: the K-grouped F.grouped_mm's bits. On a small buffer
+    (written zeros), on fresh pages of its own, and on pages reused from a freed buffer that held NaN."""
     import torch.nn.functional as F
 
-    from moe_torch import base
+    from moe_torch import base, expert_rows
     from moe_torch.backends.grouped_mm import grouped_weight_grad
+    if kernel and not expert_rows.weight_grads_apply(torch.zeros(10, 8, dtype=torch.bfloat16),
+                                                     torch.zeros(10, 16, dtype=torch.bfloat16), 12):
+        pytest.skip("moe_weight_grads does not take these rows on this host (AMX: WEIGHT_GRADS_MEAN_ROWS 0)")
+    if not kernel:
+        monkeypatch.setattr(expert_rows, "weight_grads_apply", lambda *args: False)
     monkeypatch.setattr(base, "_PAGES", base._PagePool(1 << 20))
     if pages != "small":
         monkeypatch.setattr(base, "FRESH_PAGES_FROM_BYTES", 0)

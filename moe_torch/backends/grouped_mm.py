@@ -105,17 +105,16 @@ def _weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, num_ex
     if grad.device.type in K_GROUPED_DEVICES and k_grouped_supported(grad, a):
         return F.grouped_mm(grad.t(), a, offs=offs)
     out, zeros = cpu_buffer(grad, num_experts, grad.shape[1], a.shape[1])
-    kernel = expert_rows.weight_grads_apply(grad, a, num_experts)
-    if kernel:  # every expert with rows written in one call of the library
-        expert_rows.weight_grads(grad, a, offs, out)
+    if expert_rows.weight_grads_apply(grad, a, num_experts):  # every expert written in one call of the library
+        expert_rows.weight_grads(grad, a, offs, out, zero_idle=not zeros)
+        return out
     start, idle_from = 0, None  # idle experts are zeroed a run of consecutive ones at a time (decode: a few runs)
     for e, end in enumerate(offs.tolist()):  # one host sync for the whole loop
         if end > start:
             if idle_from is not None:
                 out[idle_from:e].zero_()
                 idle_from = None
-            if not kernel:
-                torch.mm(grad[start:end].T, a[start:end], out=out[e])
+            torch.mm(grad[start:end].T, a[start:end], out=out[e])
         elif idle_from is None and not zeros:
             idle_from = e
         start = end
