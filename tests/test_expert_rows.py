@@ -730,7 +730,7 @@ def test_torch_row_kernel_says_why_it_cannot_run(fresh_torch_state, monkeypatch)
 @needs_torch_kernel
 def test_torch_and_jax_weight_grads_and_transposed_rows_are_the_same_bits(S, N, K, E, monkeypatch):
     """The same kernels through both bindings: torch's grouped_mm weight gradient (moe_weight_grads on torch's
-    OpenMP team, idle experts zeroed by the caller) and its product of rows through each expert's weights (the
+    OpenMP team, idle experts zeroed in the same call) and its product of rows through each expert's weights (the
     transposed row kernel, where TRANSPOSED_MEAN_ROWS takes it) give JAX's calls' bits; both within one bfloat16
     rounding of the float64 sums (odd row counts, K and N off multiples of 16 and 32, an expert without rows)."""
     from moe_torch.backends.grouped_mm import grouped_linear, grouped_weight_grad
