@@ -16,7 +16,9 @@ JAX.
 triton's C launcher give the bits of its launch wrapper. ``decode-threshold``: the slot count up to which
 the decode kernels beat the sorted path, per shape, with the current tiles (the table with them written to
 ``--configs-out``). ``jax-profile``: the JAX call timed on
-the host (single, back to back, issue time) and its HLO op counts.
+the host (single, back to back, issue time) and its HLO op counts. ``framework-kernels``: the inference forward in
+torch and in JAX on the same inputs, each GPU kernel's time per call in each (one profiler sees both), and the
+ptxas versions on the machine (set TRITON_PTXAS_PATH to assemble torch's kernels with another).
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
 ``--merge-steps RESULTS...`` (no GPU): the fastest variant of each step into the tile-config table.
@@ -859,6 +861,89 @@ def jax_call_times(shape=None, T=None, mode=None):
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
+FRAMEWORK_POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 2), ("qwen3-30b-a3b", 8), ("mixtral-8x7b", 1),
+                    ("mixtral-8x7b", 2), ("deepseek-v3", 1), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 4096))
+
+
+def _device_kernels(run, calls: int = 10) -> dict:
+    """Each GPU kernel ``run`` ran under torch.profiler (CUPTI sees every kernel of the process, XLA's launches
+    included): name -> device ms per call and launches per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(calls)
+    kernels = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            k = kernels.setdefault(ev.name, [0.0, 0])
+            k[0] += ev.time_range.elapsed_us() / 1e3
+            k[1] += 1
+    return {name: {"ms_per_call": round(ms / calls, 4), "launches_per_call": n / calls}
+            for name, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])}
+
+
+def framework_kernels(results, points=FRAMEWORK_POINTS):
+    """The inference forward of torch's and JAX's ``triton`` call on the same inputs: each GPU kernel's device time
+    per call in each framework (one profiler sees both), the call alone and back to back (host clock, as
+    ``_clock``), and which ptxas each side's kernels were assembled by (triton's own for torch; jaxlib assembles
+    the PTX it is given with XLA's)."""
+    import jax
+    import torch
+    import moe_jax
+    import moe_torch
+
+    def ptxas_versions():
+        import shutil
+        import subprocess
+        from triton.backends.nvidia import compiler as nvidia
+        found = {"triton": nvidia.get_ptxas(90).path, "PATH": shutil.which("ptxas"),
+                 "/usr/local/cuda": "/usr/local/cuda/bin/ptxas"}
+        for root in map(Path, sys.path):
+            for candidate in root.glob("nvidia/*/bin/ptxas"):
+                found[str(candidate.parent.parent.relative_to(root))] = str(candidate)
+        versions = {}
+        for name, path in found.items():
+            if path and Path(path).exists():
+                out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.strip()
+                versions[name] = {"path": path, "version": out.splitlines()[-1] if out else ""}
+        return {"ptxas": versions, "TRITON_PTXAS_PATH": os.environ.get("TRITON_PTXAS_PATH", ""),
+                "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+
+    record(results, "framework-kernels", "ptxas", ptxas_versions)
+
+    def run(shape, T):
+        (gate_up, down), (x, idx, w, _) = _point(shape, T)
+        arrays = [jax.dlpack.from_dlpack(t.contiguous()) for t in (x, idx.to(torch.int32), w, gate_up, down)]
+        jitted = jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="triton", validate=False))
+
+        def torch_call():
+            with torch.no_grad():
+                return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+
+        def torch_calls(n):
+            for _ in range(n):
+                torch_call()
+            torch.cuda.synchronize()
+
+        def jax_calls(n):
+            jax.block_until_ready([jitted(*arrays) for _ in range(n)])
+
+        same = bool(np.array_equal(torch_call().float().cpu().numpy(),
+                                   np.asarray(jitted(*arrays).astype(np.float32))))
+        detail = {"bit_identical": same}
+        for name, calls, clock in (("torch", torch_calls, _clock_torch(torch_call)),
+                                   ("jax", jax_calls, _clock(lambda: jitted(*arrays), jax.block_until_ready))):
+            calls(3)
+            kernels = _device_kernels(calls)
+            detail[name] = clock | {"kernels_ms": round(sum(v["ms_per_call"] for v in kernels.values()), 4),
+                                    "kernels": kernels}
+        return detail
+
+    for shape, T in points:
+        record(results, "framework-kernels", f"{shape} T={T} fwd", lambda shape=shape, T=T: run(shape, T))
+    torch.cuda.empty_cache()
+
+
 LAUNCHER_POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 256),
                    ("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 64), ("mixtral-8x7b", 4096),
                    ("deepseek-v3", 4096))
@@ -1175,6 +1260,7 @@ PARTS = {
     "profile": lambda results, args: profile_calls(results),
     "jax-profile": lambda results, args: jax_profile_calls(results),
     "launchers": lambda results, args: launcher_timings(results),
+    "framework-kernels": lambda results, args: framework_kernels(results),
     "host": lambda results, args: host_profile(results),
     "launch": lambda results, args: direct_launch_checks(results),
     "decode-threshold": lambda results, args: _decode_threshold_part(results, args.configs_out),
@@ -1261,7 +1347,16 @@ def main():
             print(r["name"], "host ms", r["detail"]["host_ms_per_call"])
             for row in r["detail"]["top_own_time_us_per_call"][:18]:
                 print("   ", row["own_us"], row["cum_us"], row["calls"], row["fn"])
-        elif r["kind"] in ("jax-profile", "launchers"):
+        elif r["kind"] == "framework-kernels" and "torch" in r["detail"]:
+            d = r["detail"]
+            print(r["name"], "bits", d["bit_identical"])
+            for side in ("torch", "jax"):
+                v = d[side]
+                print("   ", side, "call", v["call_ms_median"], "stream", v["stream_ms"], "host", v["host_ms_median"],
+                      "kernels", v["kernels_ms"])
+                for name, k in list(v["kernels"].items())[:6]:
+                    print("       ", k["ms_per_call"], k["launches_per_call"], name[:80])
+        elif r["kind"] in ("jax-profile", "launchers", "framework-kernels"):
             print(r["kind"], r["name"], r["detail"])
         elif r["kind"] == "short-tails":
             print("OK", r["kind"], r["name"], {n: v for n, v in r["detail"].items() if "inference" not in n})
