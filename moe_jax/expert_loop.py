@@ -69,6 +69,9 @@ ROW_KERNEL_BLOCK = {True: MAX_BLOCK, False: 64}
 # backward on it at 16 and 32 rows per expert (T = 128, 256), a qwen3-cpu training step on a 2-core EPYC took
 # 116-123 and 187-201 ms, against 111 and 160 on XLA's dots
 BACKWARD_ROW_KERNEL_MEAN_ROWS = {True: None, False: 8}
+# mean rows per expert up to which the forward without biases on the row kernel makes two calls over every expert's
+# rows (``expert_rows.grouped_rows``) instead of a loop over the experts with calls per block
+GROUPED_MEAN_ROWS = {True: 0, False: 64}
 # mean rows per expert up to which the backward's weight gradients come from moe_weight_grads (each expert's written
 # once in bfloat16, from the rows of all its blocks kept in the loop; None: any) rather than from XLA's dots per
 # block summed into float32 [N, H] and [H, I] and rounded into the gradients per expert, by expert_rows.amx(). On a
@@ -213,6 +216,23 @@ def _rows(token, weights, row, size: int, limit):
 # of a loop-invariant operand (all expert weights) out of it on every call: the invariants ride in the loop state
 # behind an optimization barrier, and buffers are sliced and updated as raw bits (as in moe_jax.grouped_matmul).
 
+def _grouped_forward(x, weights, token, group_sizes, gate_up, down, *, activation, tokens: int,
+                     keep_pre_activations: bool):
+    """``_forward`` without biases as two ``grouped_rows`` calls over every expert's rows, with the gate between
+    them, and one scatter-add of the rounded, weighted rows into the token rows in sorted order: the sums of the
+    loop's ``expert_rows_add``, without a loop iteration per expert."""
+    S = token.shape[0] - MAX_BLOCK
+    I = down.shape[2]
+    rows = jnp.arange(S) < jnp.sum(group_sizes)
+    h = expert_rows.grouped_rows(_gather(x, token[:S]), gate_up, group_sizes).astype(x.dtype)
+    y = expert_rows.grouped_rows(_gate(activation, h, I), down, group_sizes).astype(x.dtype)
+    into = jnp.where(rows, token[:S], tokens)  # the rows past the groups: dropped, not added
+    out = jnp.zeros((tokens, down.shape[1]), jnp.float32).at[into].add(
+        y.astype(jnp.float32) * weights[:S, None], mode="drop")
+    pre = jnp.pad(bits(h), ((0, MAX_BLOCK), (0, 0))) if keep_pre_activations else None
+    return out, pre
+
+
 def _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_bias, *, activation, tokens: int,
              keep_pre_activations: bool):
     """(float32 [T, H] output, the sorted rows' pre-activations as bits, or None)."""
@@ -224,6 +244,9 @@ def _forward(x, weights, token, group_sizes, gate_up, down, gate_up_bias, down_b
     # 2-core Xeon with AMX: 41 against 52 ms at T=1024, 68 against 78 at 2048). Wherever the forward runs on the
     # kernel (on the 2-core EPYC, the figures of ROW_KERNEL_MEAN_ROWS are with it)
     add_down = row_kernel and down_bias is None
+    if add_down and gate_up_bias is None and _within(GROUPED_MEAN_ROWS, S, E, (x, gate_up, down)):
+        return _grouped_forward(x, weights, token, group_sizes, gate_up, down, activation=activation, tokens=tokens,
+                                keep_pre_activations=keep_pre_activations)
     sizes = block_sizes(S, E, row_kernel=row_kernel)
     hit, n_hit, starts, ends = hit_experts(group_sizes)
 

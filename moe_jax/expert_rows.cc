@@ -4,8 +4,10 @@
 // `count` rows, each rounded to bfloat16, times scale[b] and added into row token[b] of a float32 [T, N] array
 // updated in place (its operand aliases its result). moe_expert_rows_transposed: the other orientation, out[b, k] =
 // sum_n x[b, n] * w[e, n, k] for x [B, N] and w [E, N, K] (rows from `count` on zeros), on the same weights in
-// place. The kernel is moe_shared's expert_rows.h (attribute `amx`: its AMX way, else AVX512-BF16); its chunks are
-// taken by the calling thread and one task on XLA's intra-op pool. moe_weight_grads: weight_grads.h's per-expert
+// place. moe_grouped_rows (and _transposed): the same products for every expert's rows of x sorted by expert, in
+// one call (row counts per expert given; zeros past them). The kernel is moe_shared's expert_rows.h (attribute
+// `amx`: its AMX way, else AVX512-BF16); its chunks are taken by the calling thread and one task on XLA's intra-op
+// pool. moe_weight_grads: weight_grads.h's per-expert
 // bfloat16 weight gradients from rows grouped by expert (zeros for the experts without rows), on the same threads.
 // moe_zeros: a zero-filled result (zero_pages.h: a large one's pages not in memory released rather than written).
 // Both mark a result's whole 2 MB pages for transparent huge pages (from `from_bytes` on, none where it is negative;
@@ -13,10 +15,12 @@
 // written).
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "expert_rows.h"
 #include "weight_grads.h"
@@ -60,16 +64,22 @@ ffi::Error Invalid(const char* target, const char* what) {
   return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
 }
 
-// the group's chunks, taken by the calling thread and one task on XLA's intra-op pool
-ffi::Error Run(ffi::ThreadPool& pool, const Rows& r, bool amx, const char* target) {
-  if (r.count == 0 || r.shape.outputs() == 0) return ffi::Error::Success();
+// the groups' chunks, taken by the calling thread and one task on XLA's intra-op pool
+ffi::Error RunGroups(ffi::ThreadPool& pool, std::vector<moe_rows::Group> groups, moe_rows::Shape shape, bool amx,
+                     const char* target) {
+  if (groups.empty() || shape.outputs() == 0) return ffi::Error::Success();
   auto job = std::make_shared<moe_rows::Job>();
-  if (!job->Prepare({r.group}, r.shape, amx))
+  if (!job->Prepare(std::move(groups), shape, amx))
     return ffi::Error::Internal(std::string(target) + ": the kernel refused AMX tile data");
   if (job->chunks() > 1) pool.Schedule([job] { job->Run(); });  // a task that starts late finds no chunk left
   job->Run();
   job->Wait();
   return ffi::Error::Success();
+}
+
+ffi::Error Run(ffi::ThreadPool& pool, const Rows& r, bool amx, const char* target) {
+  if (r.count == 0) return ffi::Error::Success();
+  return RunGroups(pool, {r.group}, r.shape, amx, target);
 }
 
 // rows stored as float32, zeros from `count` on (both orientations)
@@ -94,6 +104,36 @@ ffi::Error ExpertRowsTransposed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
                                 ffi::Buffer<ffi::S32> expert, ffi::Buffer<ffi::S32> count,
                                 ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
   return StoredRows<true>(pool, x, w, expert, count, out, amx);
+}
+
+// every expert's rows in one job: x [S, K] (transposed: [S, N]) holds group_sizes[0] rows of expert 0, then
+// group_sizes[1] of expert 1, and so on; out [S, N] (transposed: [S, K]) float32, zeros past the groups' rows
+template <bool kTransposed>
+ffi::Error GroupedRows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> group_sizes,
+                       ffi::Result<ffi::Buffer<ffi::F32>> out, bool amx) {
+  const char* target = kTransposed ? "moe_grouped_rows_transposed" : "moe_grouped_rows";
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (x.element_type() != ffi::BF16 || w.element_type() != ffi::BF16 || xd.size() != 2 || wd.size() != 3 ||
+      xd[1] != wd[kTransposed ? 1 : 2])
+    return Invalid(target, kTransposed ? "expected x [S, N] and w [E, N, K] in bfloat16"
+                                       : "expected x [S, K] and w [E, N, K] in bfloat16");
+  if (group_sizes.element_count() != wd[0]) return Invalid(target, "expected group_sizes [E]");
+  const moe_rows::Shape shape{wd[1], wd[2], kTransposed};
+  const int64_t S = xd[0], width = shape.outputs(), expert_size = wd[1] * wd[2];
+  const auto* rows = static_cast<const uint16_t*>(x.untyped_data());
+  const auto* weights = static_cast<const uint16_t*>(w.untyped_data());
+  const int32_t* sizes = group_sizes.typed_data();
+  float* o = out->typed_data();
+  std::vector<moe_rows::Group> groups;
+  int64_t row = 0;
+  for (int64_t e = 0; e < wd[0]; ++e) {
+    if (sizes[e] < 0 || sizes[e] > S - row) return Invalid(target, "group_sizes: negative, or more rows than x has");
+    if (sizes[e] > 0)
+      groups.push_back({rows + row * xd[1], weights + e * expert_size, o + row * width, sizes[e], xd[1]});
+    row += sizes[e];
+  }
+  std::fill(o + row * width, o + S * width, 0.f);
+  return RunGroups(pool, std::move(groups), shape, amx, target);
 }
 
 ffi::Error ExpertRowsAdd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
@@ -175,6 +215,17 @@ auto RowsBinding() {
       .Arg<ffi::Buffer<ffi::S32>>();
 }
 
+// x, w and group_sizes
+auto GroupedBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<bool>("amx");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows, ExpertRows,
@@ -182,6 +233,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows, ExpertRows,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_transposed, ExpertRowsTransposed,
                               RowsBinding().Ret<ffi::Buffer<ffi::F32>>().Attr<bool>("amx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_grouped_rows, GroupedRows<false>, GroupedBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_grouped_rows_transposed, GroupedRows<true>, GroupedBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_expert_rows_add, ExpertRowsAdd,
                               RowsBinding()

@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("expert_rows.cc")
 TARGET = "moe_expert_rows"
 ADD_TARGET = "moe_expert_rows_add"
 TRANSPOSED_TARGET = "moe_expert_rows_transposed"
+GROUPED_TARGETS = {False: "moe_grouped_rows", True: "moe_grouped_rows_transposed"}
 ZEROS_TARGET = "moe_zeros"
 WEIGHT_GRADS_TARGET = "moe_weight_grads"
 VARIABLE = "MOE_JAX_ROW_KERNEL"
@@ -44,6 +45,8 @@ def unavailable() -> str | None:
         jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_add), platform="cpu")
         jax.ffi.register_ffi_target(TRANSPOSED_TARGET, jax.ffi.pycapsule(library.moe_expert_rows_transposed),
                                     platform="cpu")
+        for target in GROUPED_TARGETS.values():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
         jax.ffi.register_ffi_target(ZEROS_TARGET, jax.ffi.pycapsule(library.moe_zeros), platform="cpu")
         jax.ffi.register_ffi_target(WEIGHT_GRADS_TARGET, jax.ffi.pycapsule(library.moe_weight_grads),
                                     platform="cpu")
@@ -108,6 +111,21 @@ def expert_rows_transposed(x, weights, expert, count):
     B, K = x.shape[0], weights.shape[2]
     call = jax.ffi.ffi_call(TRANSPOSED_TARGET, jax.ShapeDtypeStruct((B, K), jnp.float32), vmap_method="sequential")
     return call(x, weights, jnp.asarray(expert, jnp.int32), jnp.asarray(count, jnp.int32), amx=amx())
+
+
+def grouped_rows(x, weights, group_sizes, *, transposed: bool = False):
+    """float32 [S, N]: the rows of ``x`` [S, K], sorted by expert (``group_sizes[e]`` rows of expert e after those
+    of expert e - 1), each times its expert's ``weights[e]`` [N, K] transposed, in one call (the sums of
+    ``expert_rows`` on each group); zeros past the groups' rows. With ``transposed``, ``x`` [S, N] times
+    ``weights[e]``: float32 [S, K]. ``group_sizes`` [E] int32, summing to at most S."""
+    _check(x, weights, 1 if transposed else 2)
+    if group_sizes.shape != (weights.shape[0],):
+        raise ValueError(f"group_sizes: expected shape ({weights.shape[0]},) for weights of shape "
+                         f"{tuple(weights.shape)}, got shape {tuple(group_sizes.shape)}")
+    shape = (x.shape[0], weights.shape[2] if transposed else weights.shape[1])
+    call = jax.ffi.ffi_call(GROUPED_TARGETS[transposed], jax.ShapeDtypeStruct(shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(x, weights, group_sizes.astype(jnp.int32), amx=amx())
 
 
 def weight_grads(left, right, right_row, start, end):

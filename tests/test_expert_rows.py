@@ -10,6 +10,7 @@ import mmap
 import os
 import re
 import warnings
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -138,6 +139,81 @@ def test_row_kernel_transposed_names_a_wrong_operand(x_shape, x_dtype, w_dtype, 
         expert_rows.expert_rows_transposed(x, w, 0, 1)
 
 
+# S rows, N, K, group sizes (E of them): rows past the groups, an expert without rows in the middle and at the end,
+# K off 32 with N odd, one expert taking every row
+@pytest.mark.parametrize("S, N, K, sizes", [(40, 70, 96, (3, 0, 20, 1, 10)), (19, 33, 40, (5, 7, 0)),
+                                             (8, 16, 64, (8,))])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("way", list(WAYS))
+@needs_kernel
+def test_grouped_rows_are_each_experts_rows_in_one_call(way, S, N, K, sizes, transposed, monkeypatch):
+    """grouped_rows: every expert's rows (sorted by expert) times its weights in one call, the bits of expert_rows
+    (expert_rows_transposed) on each group alone, within float32 sums of float64; zeros past the groups' rows."""
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
+    if way == "amx" and not expert_rows.amx():
+        pytest.skip("the CPU has no AMX")
+    rng = np.random.default_rng(S + N)
+    x = jnp.asarray(rng.standard_normal((S, N if transposed else K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((len(sizes), N, K)), jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(jax.jit(partial(expert_rows.grouped_rows, transposed=transposed))(x, w, group_sizes))
+    one = expert_rows.expert_rows_transposed if transposed else expert_rows.expert_rows
+    assert got.shape == (S, K if transposed else N) and got.dtype == np.float32
+    row = 0
+    for e, n in enumerate(sizes):
+        if n:
+            alone = np.asarray(jax.jit(lambda a, b, e=e, n=n: one(a, b, e, n))(x[row:row + n], w))
+            np.testing.assert_array_equal(got[row:row + n], alone)
+            weights = np.asarray(w[e], np.float64)
+            want = np.asarray(x[row:row + n], np.float64) @ (weights if transposed else weights.T)
+            assert np.linalg.norm(got[row:row + n] - want) / np.linalg.norm(want) < 1e-6
+        row += n
+    assert not got[row:].any()
+
+
+@needs_kernel
+def test_grouped_rows_name_bad_operands():
+    x, w = jnp.zeros((6, 32), jnp.bfloat16), jnp.zeros((3, 16, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"group_sizes: expected shape \(3,\) for weights of shape \(3, 16, 32\), "
+                                         r"got shape \(2,\)"):
+        expert_rows.grouped_rows(x, w, jnp.ones(2, jnp.int32))
+    with pytest.raises(ValueError, match=r"x: expected shape \[B, K\] = \(\?, 32\)"):
+        expert_rows.grouped_rows(x[:, :16], w, jnp.ones(3, jnp.int32))
+    with pytest.raises(Exception, match="group_sizes: negative, or more rows than x has"):
+        expert_rows.grouped_rows(x, w, jnp.asarray([4, 0, 3], jnp.int32)).block_until_ready()
+    with pytest.raises(Exception, match="group_sizes: negative, or more rows than x has"):
+        expert_rows.grouped_rows(x, w, jnp.asarray([4, -1, 1], jnp.int32)).block_until_ready()
+
+
+@pytest.mark.parametrize("T, E, k, empty", [(8, 16, 4, 0.0), (24, 6, 3, 0.2), (1, 8, 2, 0.5)])
+@needs_kernel
+def test_grouped_forward_gives_the_bits_of_the_expert_loop(T, E, k, empty, monkeypatch):
+    """Under GROUPED_MEAN_ROWS the bfloat16 forward without biases runs as two grouped_rows calls and one ordered
+    scatter-add; above it (the bound set to 0 here) the loop over experts with expert_rows_add. The same bits:
+    output, and every gradient (the backward reads the same pre-activations)."""
+    arrays, dy = random_case(T * E + k, T=T, H=64, I=48, E=E, k=k, bias=False, empty_fraction=empty)
+    values = {n: jnp.asarray(a, jnp.int32 if n == "top_k_index" else jnp.bfloat16) for n, a in arrays.items()
+              if a is not None}
+    names = [n for n in DIFF_ARGS if n in values]
+
+    def run(bound):
+        monkeypatch.setattr(expert_loop, "GROUPED_MEAN_ROWS", {True: bound, False: bound})
+
+        def forward_and_grads(diff, dy):
+            f = lambda *d: experts_forward(**(values | dict(zip(names, d))), implementation="grouped_mm")
+            out, vjp = jax.vjp(f, *diff)
+            return out, vjp(dy)
+
+        args = ([values[n] for n in names], jnp.asarray(dy, jnp.bfloat16))
+        compiled = jax.jit(forward_and_grads).lower(*args).compile()
+        return compiled.as_text().count('custom_call_target="moe_grouped_rows"'), compiled(*args)
+
+    (grouped_calls, grouped), (loop_calls, loop) = run(1 << 20), run(0)
+    assert (grouped_calls, loop_calls) == (2, 0)
+    for a, b in zip(jax.tree.leaves(grouped), jax.tree.leaves(loop), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
 @needs_kernel
 def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
     """bfloat16 at few rows per expert: the forward's matmuls are the row kernel's custom calls (none in float32,
@@ -184,7 +260,8 @@ def test_grouped_mm_bfloat16_forward_runs_the_row_kernel(monkeypatch):
 def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, k, monkeypatch):
     """bfloat16 without a down bias, where the forward runs on the row kernel (under ROW_KERNEL_MEAN_ROWS, None:
     at any rows per expert): the down projection is expert_rows_add's custom call, which adds the rows into the
-    token rows; elsewhere (and with the kernel off), XLA's dots and scatter-add instead. The forward and every
+    token rows, or, under GROUPED_MEAN_ROWS, the two projections are two grouped_rows calls over every expert's rows
+    and no call per expert; elsewhere (and with the kernel off), XLA's dots and scatter-add instead. The forward and every
     gradient match the float64 reference each way."""
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
     if way == "amx" and not expert_rows.amx():
@@ -207,10 +284,14 @@ def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, 
 
         call = jax.jit(forward_and_grads)
         diff, g = [values[n] for n in names], jnp.asarray(dy, jnp.bfloat16)
-        calls = call.lower(diff, g).compile().as_text().count('custom_call_target="moe_expert_rows_add"')
+        hlo = call.lower(diff, g).compile().as_text()
+        calls = hlo.count('custom_call_target="moe_expert_rows_add"')
         bound = expert_loop.ROW_KERNEL_MEAN_ROWS[way == "amx"]
         adds = setting == "auto" and (bound is None or T * k // E < bound)
-        assert (calls > 0) == adds, (setting, calls)
+        grouped_bound = expert_loop.GROUPED_MEAN_ROWS[way == "amx"]
+        grouped = adds and -(-T * k // E) < grouped_bound
+        assert (calls > 0) == (adds and not grouped), (setting, calls)
+        assert hlo.count('custom_call_target="moe_grouped_rows"') == (2 if grouped else 0), setting
         out, grads = call(diff, g)
         assert_close("out", np.asarray(out, np.float64), expected["out"], "bfloat16")
         for n, grad in grads.items():
