@@ -6,7 +6,9 @@ largest size, then blocks of the largest size. A block gathers its tokens' rows,
 activation and the down matmul with that expert's weights, and adds its rows, times their routing weights, into
 float32 token rows (a scatter-add, in order on the CPU: the same bits on every run; in bfloat16 without a down bias
 the down projection's row-kernel call adds them itself, ``expert_rows_add``). Nothing [T*k, H] is made: each
-temporary is one block's, so the forward allocates no big buffers (fresh memory costs page faults on the CPU).
+temporary is one block's, so the forward allocates no big buffers (fresh memory costs page faults on the CPU). At a
+few rows per expert (``GROUPED_MEAN_ROWS``) a bfloat16 forward without biases is no loop: two ``grouped_rows``
+calls over every expert's rows and one scatter-add, the same bits.
 
 Differentiated by its own VJP: the forward under differentiation keeps the pre-activations of the sorted rows; the
 backward is the same loop. Per block: the routing weights' gradient (a dot over I of the activation and the output
