@@ -205,26 +205,20 @@ ffi::Error WeightGrads(ffi::ThreadPool pool, ffi::AnyBuffer left, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// the operands every target starts with
-auto RowsBinding() {
+// the operands every target starts with: x, w and an int32 array (the expert, or the group sizes)
+auto RowsOperands() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>();
 }
 
+// x, w, the expert and the row count
+auto RowsBinding() { return RowsOperands().Arg<ffi::Buffer<ffi::S32>>(); }
+
 // x, w and group_sizes
-auto GroupedBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::Buffer<ffi::F32>>()
-      .Attr<bool>("amx");
-}
+auto GroupedBinding() { return RowsOperands().Ret<ffi::Buffer<ffi::F32>>().Attr<bool>("amx"); }
 
 }  // namespace
 
