@@ -7,12 +7,11 @@
 // place. moe_grouped_rows (and _transposed): the same products for every expert's rows of x sorted by expert, in
 // one call (row counts per expert given; zeros past them). The kernel is moe_shared's expert_rows.h (attribute
 // `amx`: its AMX way, else AVX512-BF16); its chunks are taken by the calling thread and one task on XLA's intra-op
-// pool. moe_weight_grads: weight_grads.h's per-expert
-// bfloat16 weight gradients from rows grouped by expert (zeros for the experts without rows), on the same threads.
-// moe_zeros: a zero-filled result (zero_pages.h: a large one's pages not in memory released rather than written).
-// Both mark a result's whole 2 MB pages for transparent huge pages (from `from_bytes` on, none where it is negative;
-// XLA's allocator cannot be advised, and a fresh large buffer otherwise faults once per 4 KB page as it is first
-// written).
+// pool. moe_weight_grads: weight_grads.h's per-expert bfloat16 weight gradients from rows grouped by expert (zeros
+// for the experts without rows), on the same threads. moe_zeros: a zero-filled result (zero_pages.h: a large one's
+// pages not in memory released rather than written). Both mark a result's whole 2 MB pages for transparent huge
+// pages (from `from_bytes` on, none where it is negative; XLA's allocator cannot be advised, and a fresh large buffer
+// otherwise faults once per 4 KB page as it is first written).
 #include <sys/mman.h>
 
 #include <algorithm>
