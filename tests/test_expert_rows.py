@@ -261,8 +261,8 @@ def test_grouped_mm_bfloat16_forward_adds_its_rows_on_the_row_kernel(way, T, E, 
     """bfloat16 without a down bias, where the forward runs on the row kernel (under ROW_KERNEL_MEAN_ROWS, None:
     at any rows per expert): the down projection is expert_rows_add's custom call, which adds the rows into the
     token rows, or, under GROUPED_MEAN_ROWS, the two projections are two grouped_rows calls over every expert's rows
-    and no call per expert; elsewhere (and with the kernel off), XLA's dots and scatter-add instead. The forward and every
-    gradient match the float64 reference each way."""
+    and no call per expert; elsewhere (and with the kernel off), XLA's dots and scatter-add instead. The forward and
+    every gradient match the float64 reference each way."""
     monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
     if way == "amx" and not expert_rows.amx():
         pytest.skip("the CPU has no AMX")
