@@ -1,24 +1,34 @@
 """Triton kernels as XLA custom calls, with their global scratch: what lets them build tensor descriptors (TMA).
 
-Each launch is one call of jaxlib's Triton launcher (the ``triton_kernel_call`` custom-call target, the one
-jax_triton calls), on XLA's stream, under ``jax.jit`` or eagerly. The kernel is compiled here by
+Each launch is one custom call on XLA's stream, under ``jax.jit`` or eagerly. The kernel is compiled here by
 ``triton.compile`` with the options and argument specialisation of triton's own launch (what moe_torch runs), so
 both frameworks run the same binary code for the same plan step.
 
-jaxlib passes a null pointer where a Triton kernel takes its global scratch, the memory in which device-side
-tensor descriptors are built: such a kernel faults from jax_triton. Here a kernel that needs scratch gets it as one
-more output of the call (programs x scratch bytes, uint8), passed as the last array parameter. Triton appends the
-global-scratch and profile-scratch pointers after a kernel's own parameters, so that array lands in the scratch
-slot; jaxlib's two trailing null pointers then fill the profile-scratch slot and one slot past the end, which
-``cuLaunchKernel`` does not read (it reads as many parameters as the kernel declares).
+A Triton kernel takes its global scratch, the memory in which device-side tensor descriptors are built, as a
+hidden parameter after its own; jaxlib's Triton launcher (the ``triton_kernel_call`` custom-call target, the one
+jax_triton calls) passes a null pointer there: such a kernel faults from jax_triton. Here a kernel that needs
+scratch gets it as one more output of the call (programs x scratch bytes, uint8). Through jaxlib's launcher
+(``launch_jaxlib``) it is passed as the last array parameter, which lands in the scratch slot; jaxlib's two
+trailing null pointers then fill the profile-scratch slot and one slot past the end, which ``cuLaunchKernel`` does
+not read (it reads as many parameters as the kernel declares).
+
+``launch`` goes through a launcher of this package instead (``triton_launch.cc``, the XLA FFI target
+``moe_triton_launch``, built at first use with the host's C++ compiler): each kernel's cubin, the one triton's
+ptxas made for moe_torch, is registered once and named in a call by a small integer id, with the grid and the
+parameter list (operands, results, integers, null pointers) as attributes. jaxlib's launcher looks its kernel up
+by hashing the call's whole opaque string (the compressed PTX) at every launch, and assembles the PTX with XLA's
+own ptxas; ``launch_jaxlib`` keeps that route, for comparison. The ids are this process's: a program lowered here
+runs here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import zlib
 from dataclasses import dataclass
 from functools import cache, lru_cache
+from pathlib import Path
 from types import ModuleType
 
 import jax
@@ -26,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "triton_kernel_call"  # jaxlib's custom-call target for Triton kernels (legacy API, version 2)
+LAUNCH_TARGET = "moe_triton_launch"  # this package's (XLA FFI, triton_launch.cc)
+LAUNCH_SOURCE = Path(__file__).with_name("triton_launch.cc")
 POINTER_DIVISIBILITY = 16  # bytes: every array argument is specialised as 16-byte aligned (XLA's buffers are)
 HIDDEN_PARAMETERS = 2  # pointers triton (3.5 on) appends to a kernel's parameters: global scratch, profile scratch
 
@@ -36,6 +48,7 @@ class Compiled:
     shared: int  # bytes of shared memory a program takes
     scratch_bytes: int  # global scratch per program (0: none)
     scratch_align: int
+    cubin: bytes = b""
 
 
 def argument_type(arg) -> str | int:
@@ -104,7 +117,8 @@ def compile_kernel(kernel, types: tuple, constants: tuple, num_warps: int, num_s
             f"{kernel.__name__}: triton {triton.__version__} compiled {declared} parameters for {own} arguments; "
             f"moe_jax.triton_call passes the global scratch as parameter {own} of {own + HIDDEN_PARAMETERS} "
             f"(triton 3.5-3.6's calling convention)")
-    return Compiled(meta.name, ptx, meta.shared, meta.global_scratch_size, meta.global_scratch_align)
+    return Compiled(meta.name, ptx, meta.shared, meta.global_scratch_size, meta.global_scratch_align,
+                    compiled.asm["cubin"])
 
 
 def entry_parameters(ptx: str) -> int:
@@ -129,15 +143,100 @@ def compute_capability(device=None) -> int:
     return int(major) * 10 + int(minor)
 
 
+def _compiled(kernel, args: list, out_shapes: list, constants: dict, num_warps: int,
+              num_stages: int) -> tuple[tuple, Compiled, int]:
+    capability = compute_capability()
+    types = tuple(argument_type(a) for a in (*args, *out_shapes))
+    compiled = compile_kernel(kernel, types, tuple(sorted(constants.items())), num_warps, num_stages, capability)
+    return types, compiled, capability
+
+
+def _results(out_shapes: list, compiled: Compiled, grid: int) -> list:
+    """The call's results: the outputs, then the global scratch (programs x bytes) where the kernel takes one."""
+    if not compiled.scratch_bytes:
+        return list(out_shapes)
+    return [*out_shapes, jax.ShapeDtypeStruct((grid * compiled.scratch_bytes,), jnp.uint8)]
+
+
+# the kinds of moe_triton_launch's `parameters` pairs (triton_launch.cc)
+ARGUMENT, RESULT, ZEROED_RESULT, INT32, INT64, NULL_POINTER = range(6)
+
+
+@cache
+def _launcher_library() -> ctypes.CDLL:
+    """triton_launch.cc, built and registered as the CUDA target ``moe_triton_launch``."""
+    import jaxlib
+    import triton
+    from moe_shared import native
+
+    driver_headers = Path(triton.__file__).parent / "backends" / "nvidia" / "include"  # triton's cuda.h
+    library, reason = native.load_library(LAUNCH_SOURCE, include_dirs=(str(driver_headers), jax.ffi.include_dir()),
+                                          key=f"jaxlib {jaxlib.__version__}")
+    if library is None:
+        raise RuntimeError(f"moe_jax's Triton launcher cannot be built: {reason} (jaxlib's launcher needs no build: "
+                           f"moe_jax.backends.triton.use_launcher(moe_jax.backends.triton.JAXLIB_LAUNCHER))")
+    library.moe_triton_register.restype = ctypes.c_int64
+    library.moe_triton_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int32,
+                                            ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+    library.moe_triton_driver_error.restype = ctypes.c_char_p
+    jax.ffi.register_ffi_target(LAUNCH_TARGET, jax.ffi.pycapsule(library.moe_triton_launch), platform="CUDA")
+    return library
+
+
+@lru_cache(maxsize=None)
+def kernel_id(compiled: Compiled, num_warps: int) -> int:
+    """The id under which ``moe_triton_launch`` knows ``compiled`` (registered at the first call)."""
+    if not compiled.cubin:
+        raise ValueError(f"{compiled.name}: no cubin to register (compiled without triton's ptxas)")
+    library = _launcher_library()
+    error = ctypes.create_string_buffer(512)
+    found = library.moe_triton_register(compiled.name.encode(), compiled.cubin, len(compiled.cubin), num_warps,
+                                        compiled.shared, error, len(error))
+    if found < 0:
+        raise RuntimeError(f"{compiled.name}: moe_triton_register failed: {error.value.decode()}")
+    return found
+
+
+def launch_parameters(args: list, types: tuple, out_count: int, zeroed: tuple[int, ...],
+                      scratch: bool) -> list[int]:
+    """``moe_triton_launch``'s ``parameters`` attribute: a (kind, value) pair per kernel parameter, in order: the
+    arguments (an array as its operand index, an integer as itself; 1s are constants, not parameters), the
+    outputs (result indices, zeroed ones marked), then triton's two hidden pointers: the global scratch (the last
+    result, or null) and the profile scratch (null)."""
+    pairs, operand = [], 0
+    for arg, kind in zip(args, types):
+        if kind == 1:
+            continue
+        if isinstance(arg, int):
+            pairs += [INT32 if kind == "i32" else INT64, arg]
+        else:
+            pairs += [ARGUMENT, operand]
+            operand += 1
+    for i in range(out_count):
+        pairs += [ZEROED_RESULT if i in zeroed else RESULT, i]
+    pairs += [RESULT, out_count] if scratch else [NULL_POINTER, 0]
+    return pairs + [NULL_POINTER, 0]
+
+
 def launch(kernel, grid: int, args: list, out_shapes: list, constants: dict, *, num_warps: int,
            num_stages: int, zeroed: tuple[int, ...] = ()) -> list:
     """Run ``kernel`` over a 1-D ``grid`` on ``args`` (arrays and integers, in its parameter order) with the
     outputs ``out_shapes`` (``jax.ShapeDtypeStruct``, following the arguments) and ``constants`` (constexpr
-    keywords); the outputs in ``zeroed`` start as zeros. Returns the output arrays."""
+    keywords); the outputs in ``zeroed`` start as zeros. One ``moe_triton_launch`` call. Returns the output
+    arrays."""
+    types, compiled, _ = _compiled(kernel, args, out_shapes, constants, num_warps, num_stages)
+    parameters = launch_parameters(args, types, len(out_shapes), zeroed, bool(compiled.scratch_bytes))
+    outputs = jax.ffi.ffi_call(LAUNCH_TARGET, _results(out_shapes, compiled, grid))(
+        *[a for a in args if not isinstance(a, int)], kernel=np.int64(kernel_id(compiled, num_warps)),
+        grid=np.int64(grid), parameters=np.asarray(parameters, np.int64))
+    return list(outputs[:len(out_shapes)])
+
+
+def launch_jaxlib(kernel, grid: int, args: list, out_shapes: list, constants: dict, *, num_warps: int,
+                  num_stages: int, zeroed: tuple[int, ...] = ()) -> list:
+    """``launch`` through jaxlib's Triton launcher (the compressed PTX in each call's opaque string)."""
     lib = _jaxlib_triton()
-    capability = compute_capability()
-    types = tuple(argument_type(a) for a in (*args, *out_shapes))
-    compiled = compile_kernel(kernel, types, tuple(sorted(constants.items())), num_warps, num_stages, capability)
+    types, compiled, capability = _compiled(kernel, args, out_shapes, constants, num_warps, num_stages)
     params = []
     for arg, kind in zip(args, types):
         if kind == 1:
@@ -149,14 +248,12 @@ def launch(kernel, grid: int, args: list, out_shapes: list, constants: dict, *, 
     for i, shape in enumerate(out_shapes):
         zero_bytes = int(np.prod(shape.shape)) * jnp.dtype(shape.dtype).itemsize if i in zeroed else 0
         params.append(lib.create_array_parameter(zero_bytes, POINTER_DIVISIBILITY))
-    results = list(out_shapes)
     if compiled.scratch_bytes:
-        results.append(jax.ShapeDtypeStruct((grid * compiled.scratch_bytes,), jnp.uint8))
         params.append(lib.create_array_parameter(0, max(compiled.scratch_align, POINTER_DIVISIBILITY)))
     call = lib.TritonKernelCall(
         lib.TritonKernel(compiled.name, num_warps, 1, compiled.shared, compiled.ptx, "", capability),
         grid, 1, 1, params)
     opaque = zlib.compress(call.to_proto(compiled.name, b""))
-    outputs = jax.ffi.ffi_call(TARGET, results, custom_call_api_version=2, legacy_backend_config=opaque)(
-        *[a for a in args if not isinstance(a, int)])
+    outputs = jax.ffi.ffi_call(TARGET, _results(out_shapes, compiled, grid), custom_call_api_version=2,
+                               legacy_backend_config=opaque)(*[a for a in args if not isinstance(a, int)])
     return list(outputs[:len(out_shapes)])

@@ -1,7 +1,8 @@
-"""The CPU row kernel's builds (``kernels/expert_rows.h``, ``slot_rows.h``, ``weight_grads.h``, ``zero_pages.h``;
-one binding per framework): compiled on the user's machine at first use with the host's C++ compiler (``$CXX``,
-else ``c++``) into ``$MOE_EXPERTS_CACHE`` (default ``~/.cache/moe_experts``), cached by source, every kernel header,
-flags, compiler and the binding's own key (its framework's version).
+"""The native builds: the CPU row kernel's (``kernels/expert_rows.h``, ``slot_rows.h``, ``weight_grads.h``,
+``zero_pages.h``; one binding per framework) and moe_jax's Triton launcher (``load_library``): compiled on the
+user's machine at first use with the host's C++ compiler (``$CXX``, else ``c++``) into ``$MOE_EXPERTS_CACHE``
+(default ``~/.cache/moe_experts``), cached by source, every kernel header, flags, compiler and the binding's own key
+(its framework's version).
 
 Each binding has a mode variable (``MOE_JAX_ROW_KERNEL``, ``MOE_TORCH_ROW_KERNEL``): ``auto`` (default) uses the
 kernel where the CPU has AVX512-BF16 and the build succeeds (warning once when the build fails); ``on`` raises
@@ -28,6 +29,7 @@ AMX_FLAGS = ("amx_tile", "amx_bf16")
 # -ffp-contract=off: products and sums rounded as written, never fused (expert_rows_add gives XLA's scatter-add bits)
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512bf16",
                  "-mamx-tile", "-mamx-bf16", "-ffp-contract=off", "-w")
+LIBRARY_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w")  # no CPU-specific code (load_library)
 MODES = ("auto", "on", "off")
 # With MOE_EXPERTS_HUGE_PAGES=1, CPU buffers from this size on are asked for transparent huge pages (both
 # bindings): a weight gradient of qwen3-cpu's gate/up weights (100 MB, fresh memory every call) took 49 ms to write
@@ -89,10 +91,10 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str, source: Path, include_dirs: Sequence[str], key: str, flags: Sequence[str]) -> Path:
     """The shared library, compiled once per source, header, flags, compiler and key (RuntimeError when it
-    fails); ``flags`` follow COMPILE_FLAGS."""
+    fails)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     texts = [source.read_text(), *(header.read_text() for header in sorted(KERNEL_DIR.glob("*.h")))]
-    parts = [*texts, *COMPILE_FLAGS, *flags, compiler, version, key]
+    parts = [*texts, *flags, compiler, version, key]
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     library = _cache_dir() / f"{source.stem}-{digest}.so"
     if library.exists():
@@ -101,7 +103,7 @@ def _build(compiler: str, source: Path, include_dirs: Sequence[str], key: str, f
     includes = [arg for d in (str(KERNEL_DIR), *include_dirs) for arg in ("-I", d)]
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
-        run = subprocess.run([compiler, *COMPILE_FLAGS, *flags, *includes, str(source), "-o", str(built)],
+        run = subprocess.run([compiler, *flags, *includes, str(source), "-o", str(built)],
                              capture_output=True, text=True, timeout=300)
         if run.returncode:
             raise RuntimeError(f"{compiler} failed on {source.name}: {run.stderr.strip()[-800:]}")
@@ -116,6 +118,13 @@ def load(source: Path, include_dirs: Sequence[str] = (), key: str = "",
     missing = [flag for flag in CPU_FLAGS if flag not in cpu_flags()]
     if missing:
         return None, f"the CPU lacks {', '.join(missing)}"
+    return load_library(source, include_dirs, key, (*COMPILE_FLAGS, *flags))
+
+
+def load_library(source: Path, include_dirs: Sequence[str] = (), key: str = "",
+                 flags: Sequence[str] = LIBRARY_FLAGS) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the built library, None), or (None, why it cannot be built or loaded): ``source`` compiled with ``flags``
+    on any host."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if not compiler:
         return None, "no C++ compiler found (set CXX)"

@@ -19,6 +19,8 @@ the decode kernels beat the sorted path, per shape, with the current tiles (the 
 the host (single, back to back, issue time) and its HLO op counts. ``framework-kernels``: the inference forward in
 torch and in JAX on the same inputs, each GPU kernel's time per call in each (one profiler sees both), and the
 ptxas versions on the machine (set TRITON_PTXAS_PATH to assemble torch's kernels with another).
+``own-launcher``: moe_jax's Triton launcher (``moe_triton_launch``) against jaxlib's and torch: bits and time per
+call.
 ``large``: JAX forward+backward at 16384 and 65536 tokens (qwen3-30b-a3b): no
 out-of-memory, time and peak memory.
 ``--merge-steps RESULTS...`` (no GPU): the fastest variant of each step into the tile-config table.
@@ -220,7 +222,7 @@ def graph_checks(results):
         text = f.lower(*(values[n] for n in names)).compile().as_text()
         if worst > SPEC.tolerance_for("bfloat16"):
             raise AssertionError(f"worst {worst}")
-        return {"worst_rel_l2": worst, "triton_calls_in_hlo": text.count("triton_kernel_call"),
+        return {"worst_rel_l2": worst, "triton_calls_in_hlo": text.count("moe_triton_launch"),
                 "ragged_dot_in_hlo": text.count("ragged-dot")}
 
     record(results, "jax-grouped-mm", "grouped_mm on the Triton kernel (bf16 vectors)", jax_grouped_mm)
@@ -1002,6 +1004,86 @@ def launcher_timings(results):
 
 # --- JAX training at large token counts -------------------------------------------------------------------------
 
+OWN_LAUNCH_POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 64), ("mixtral-8x7b", 1),
+                     ("deepseek-v3", 1), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 4096))
+
+
+def _jax_results(shape, T, mode) -> list:
+    """The JAX call's output (and for fwd+bwd its gradients) as float32 numpy arrays, under the current launcher."""
+    import jax
+    import jax.numpy as jnp
+    import moe_jax
+    import torch
+    (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+    x, idx, w, gate_up, down, dout = [jax.dlpack.from_dlpack(t.contiguous())
+                                      for t in (x, idx.to(torch.int32), w, gate_up, down, dout)]
+
+    def forward(x, w, gate_up, down):
+        return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+
+    if mode == "fwd":
+        arrays = [jax.jit(forward)(x, w, gate_up, down)]
+    else:
+        out, vjp = jax.vjp(forward, x, w, gate_up, down)
+        arrays = [out, *vjp(dout)]
+    return [np.asarray(a.astype(jnp.float32)) for a in arrays]
+
+
+def own_launcher(results, points=OWN_LAUNCH_POINTS, modes=("fwd", "fwd+bwd")):
+    """moe_jax's own Triton launcher (``XLA_LAUNCHER``: the XLA FFI target ``moe_triton_launch``, triton's cubin)
+    against jaxlib's (``JAXLIB_LAUNCHER``, the PTX in each call's opaque string) and the torch call: the same bits
+    from both launchers, and each call's time on the host's clock (``jax_call_times``), two alternating rounds,
+    the best of each; then what the launcher answers to a kernel id it never gave."""
+    import jax
+    import jax.numpy as jnp
+    from moe_jax import triton_call
+    from moe_jax.backends import triton as jax_backend
+    launchers = {"moe": jax_backend.XLA_LAUNCHER, "jaxlib": jax_backend.JAXLIB_LAUNCHER}
+
+    def run(shape, T, mode):
+        outputs = {}
+        for name, launcher in launchers.items():
+            with jax_backend.use_launcher(launcher):
+                outputs[name] = _jax_results(shape, T, mode)
+        detail = {"bit_identical": [bool(np.array_equal(a, b)) for a, b in zip(outputs["moe"], outputs["jaxlib"])]}
+        if not all(detail["bit_identical"]):
+            raise AssertionError(f"the launchers disagree: {detail}")
+        rounds = {}
+        for _ in range(2):
+            for name, launcher in launchers.items():
+                with jax_backend.use_launcher(launcher):
+                    rounds.setdefault(name, []).append(jax_call_times(shape, T, mode))
+            rounds.setdefault("torch", []).append({"executable": torch_call_times(shape, T, mode)})
+        keys = ("call_ms_median", "stream_ms", "host_ms_median")
+        best = {name: {way: {key: min(r[way][key] for r in runs) for key in keys}
+                       for way in runs[0] if way in ("jit", "executable")} for name, runs in rounds.items()}
+        torch_best = best["torch"]["executable"]
+        for name in launchers:
+            best[name]["jax/torch"] = {way: {key: round(best[name][way][key] / torch_best[key], 3)
+                                             for key in ("call_ms_median", "stream_ms")}
+                                       for way in ("jit", "executable")}
+        return detail | best
+
+    for (shape, T), mode in itertools.product(points, modes):
+        record(results, "own-launcher", f"{shape} T={T} {mode}",
+               lambda shape=shape, T=T, mode=mode: run(shape, T, mode))
+    record(results, "own-launcher", "a one-element jitted add (JAX's own time per call)", jax_call_times)
+
+    def unknown_id():
+        triton_call._launcher_library()
+        call = jax.ffi.ffi_call(triton_call.LAUNCH_TARGET, jax.ShapeDtypeStruct((4,), jnp.float32))
+        try:
+            jax.block_until_ready(call(jnp.zeros(4), kernel=np.int64(1 << 40), grid=np.int64(1),
+                                       parameters=np.array([0, 0, 1, 0], np.int64)))
+        except Exception as error:  # XLA's error type differs between versions
+            if "expected an id from moe_triton_register" not in str(error):
+                raise
+            return {"error": str(error)[:400]}
+        raise AssertionError("an unknown kernel id was launched")
+
+    record(results, "own-launcher", "an unknown kernel id is refused", unknown_id)
+
+
 def large_jax_training(results, tokens=(16384, 65536)):
     """JAX triton forward+backward (every gradient) on qwen3-30b-a3b at large T, jitted: no out-of-memory, the
     time per call and the device's peak memory."""
@@ -1261,6 +1343,7 @@ PARTS = {
     "jax-profile": lambda results, args: jax_profile_calls(results),
     "launchers": lambda results, args: launcher_timings(results),
     "framework-kernels": lambda results, args: framework_kernels(results),
+    "own-launcher": lambda results, args: own_launcher(results),
     "host": lambda results, args: host_profile(results),
     "launch": lambda results, args: direct_launch_checks(results),
     "decode-threshold": lambda results, args: _decode_threshold_part(results, args.configs_out),

@@ -1,9 +1,11 @@
-"""moe_jax.triton_call: Triton kernels as custom calls into jaxlib's Triton launcher, with their global scratch.
+"""moe_jax.triton_call: Triton kernels as custom calls (this package's launcher, and jaxlib's), with their global
+scratch.
 
-The launch itself needs a CUDA jaxlib (tests/device_triton_check.py runs it on the GPU). Here: the signature and
-specialisation the kernels are compiled with, a real compile for the H200's compute capability (triton's ptxas,
-no GPU needed: which steps need scratch), and the custom call's parameters and buffers, lowered for the CPU with a
-stand-in for jaxlib's launcher module.
+The launch itself needs a GPU (tests/device_triton_check.py runs it there). Here: the signature and specialisation
+the kernels are compiled with, a real compile for the H200's compute capability (triton's ptxas, no GPU needed:
+which steps need scratch, the cubin this package's launcher registers), the launcher library built and its
+registrations, and each custom call's attributes and buffers, lowered for CUDA from the CPU (jaxlib's launcher
+module replaced by a stand-in that records what its call would carry).
 """
 
 from __future__ import annotations
@@ -99,8 +101,12 @@ for tma in (True, False):
         args = [triton_call.argument_type(a) if isinstance(a, int) else a for a in args]
         c = triton_call.compile_kernel(getattr(moe, step.kernel), tuple(args), tuple(sorted(step.constants.items())),
                                        step.num_warps, step.num_stages, 90)
+        pairs = triton_call.launch_parameters(list(step.inputs), tuple(args[:len(step.inputs)]), len(step.outputs),
+                                              step.zeroed, bool(c.scratch_bytes))
         found.append(dict(kernel=step.kernel, b_desc=step.constants.get("B_DESC"), name=c.name, shared=c.shared,
-                          scratch=c.scratch_bytes, align=c.scratch_align, ptx_target=".target sm_90" in c.ptx))
+                          scratch=c.scratch_bytes, align=c.scratch_align, ptx_target=".target sm_90" in c.ptx,
+                          elf=c.cubin[:4] == b"\x7fELF", declared=triton_call.entry_parameters(c.ptx),
+                          pairs=len(pairs) // 2))
 print(json.dumps(found))
 """
 
@@ -118,6 +124,8 @@ def test_compiled_for_the_h200_the_descriptor_steps_need_scratch_and_no_other(tm
     assert all(f["scratch"] > 0 and f["scratch"] % 128 == 0 and f["align"] >= 64 for f in gemms[:2])
     assert all(f["scratch"] == 0 for f in found if f not in gemms[:2])
     assert all(f["ptx_target"] and f["shared"] > 0 for f in gemms)
+    # this package's launcher gets triton's cubin and one parameter for each the kernel declares
+    assert all(f["elf"] and f["pairs"] == f["declared"] for f in found)
 
 
 class _Recorder:
@@ -146,7 +154,7 @@ class _Recorder:
         return Call()
 
 
-def test_launch_passes_the_scratch_as_the_last_buffer(monkeypatch):
+def test_jaxlib_launch_passes_the_scratch_as_the_last_buffer(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(triton_call, "_jaxlib_triton", lambda: recorder)
     monkeypatch.setattr(triton_call, "compute_capability", lambda device=None: 90)
@@ -162,8 +170,8 @@ def test_launch_passes_the_scratch_as_the_last_buffer(monkeypatch):
     outs = [jax.ShapeDtypeStruct((6, 4), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.int32)]
 
     def call(x, w):
-        return triton_call.launch(moe.grouped_gemm_kernel, 5, [x, 9, w, 1], outs, {"BM": 16}, num_warps=4,
-                                  num_stages=3, zeroed=(0,))
+        return triton_call.launch_jaxlib(moe.grouped_gemm_kernel, 5, [x, 9, w, 1], outs, {"BM": 16}, num_warps=4,
+                                         num_stages=3, zeroed=(0,))
 
     lowered = jax.jit(call).lower(x, w)
     text = lowered.as_text()
@@ -179,15 +187,16 @@ def test_launch_passes_the_scratch_as_the_last_buffer(monkeypatch):
                                 ("array", 0, 128)]  # the scratch, in the global-scratch slot
 
 
-def test_launch_without_scratch_adds_no_buffer(monkeypatch):
+def test_jaxlib_launch_without_scratch_adds_no_buffer(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(triton_call, "_jaxlib_triton", lambda: recorder)
     monkeypatch.setattr(triton_call, "compute_capability", lambda device=None: 90)
     monkeypatch.setattr(triton_call, "compile_kernel",
                         lambda *a: triton_call.Compiled("combine_kernel", "// ptx", 0, 0, 1))
     x = jnp.zeros((4, 8), jnp.bfloat16)
-    text = jax.jit(lambda x: triton_call.launch(moe.combine_kernel, 2, [x], [jax.ShapeDtypeStruct((4, 8), x.dtype)],
-                                                {}, num_warps=4, num_stages=1)).lower(x).as_text()
+    text = jax.jit(lambda x: triton_call.launch_jaxlib(moe.combine_kernel, 2, [x],
+                                                       [jax.ShapeDtypeStruct((4, 8), x.dtype)], {}, num_warps=4,
+                                                       num_stages=1)).lower(x).as_text()
     assert "ui8" not in text
     assert recorder.calls[0]["params"] == [("array", 0, 16), ("array", 0, 16)]
 
@@ -201,3 +210,117 @@ def test_a_jaxlib_without_the_launcher_names_what_to_install(monkeypatch):
             triton_call._jaxlib_triton()
     finally:
         triton_call._jaxlib_triton.cache_clear()
+
+
+def test_launch_parameters_describe_every_kernel_parameter_in_order():
+    x, w = jnp.zeros((2,), jnp.bfloat16), jnp.zeros((2,), jnp.float32)
+    args = [x, 9, w, 1, 2**40]
+    types = tuple(triton_call.argument_type(a) for a in args)
+    C = triton_call
+    assert triton_call.launch_parameters(args, types, 2, zeroed=(1,), scratch=True) == [
+        C.ARGUMENT, 0, C.INT32, 9, C.ARGUMENT, 1, C.INT64, 2**40,  # the 1 is a constant, not a parameter
+        C.RESULT, 0, C.ZEROED_RESULT, 1,
+        C.RESULT, 2,  # the global scratch: the result after the outputs
+        C.NULL_POINTER, 0]  # the profile scratch
+    assert triton_call.launch_parameters([x], types[:1], 1, zeroed=(), scratch=False)[-4:] == [
+        C.NULL_POINTER, 0, C.NULL_POINTER, 0]
+
+
+def _lowered_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_launch_names_the_registered_kernel_grid_and_parameters(monkeypatch):
+    """Lowered for CUDA from the CPU: one moe_triton_launch call with the id the kernel was registered under."""
+    monkeypatch.setattr(triton_call, "compute_capability", lambda device=None: 90)
+    compiled = triton_call.Compiled("grouped_gemm_kernel", "// ptx", 1234, scratch_bytes=256, scratch_align=128,
+                                    cubin=b"\x7fELF stand-in")
+    monkeypatch.setattr(triton_call, "compile_kernel", lambda *a: compiled)
+    x, w = jnp.zeros((6, 4), jnp.bfloat16), jnp.zeros((6,), jnp.float32)
+    outs = [jax.ShapeDtypeStruct((6, 4), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.int32)]
+
+    def call(x, w):
+        return triton_call.launch(moe.grouped_gemm_kernel, 5, [x, 9, w, 1], outs, {"BM": 16}, num_warps=4,
+                                  num_stages=3, zeroed=(0,))
+
+    text = _lowered_for_cuda(call, x, w)
+    kernel = triton_call.kernel_id(compiled, 4)
+    C = triton_call
+    pairs = [C.ARGUMENT, 0, C.INT32, 9, C.ARGUMENT, 1, C.ZEROED_RESULT, 0, C.RESULT, 1, C.RESULT, 2, C.NULL_POINTER, 0]
+    assert text.count("stablehlo.custom_call @moe_triton_launch") == 1 and "triton_kernel_call" not in text
+    assert (f"grid = 5 : i64, kernel = {kernel} : i64, parameters = dense<{pairs}> : tensor<{len(pairs)}xi64>"
+            in text)
+    assert "tensor<1280xui8>" in text  # 5 programs x 256 bytes of scratch, one more result
+    assert [o.shape for o in jax.eval_shape(call, x, w)] == [(6, 4), (3,)]  # the scratch is not returned
+    again = triton_call.Compiled(**{**compiled.__dict__, "shared": 2048})
+    assert triton_call.kernel_id(compiled, 4) == kernel != triton_call.kernel_id(again, 4)
+
+
+def test_registrations_get_ids_in_order_and_bad_ones_an_error():
+    import ctypes
+    library = triton_call._launcher_library()
+    error = ctypes.create_string_buffer(256)
+    first = library.moe_triton_register(b"k", b"\x7fELF", 4, 4, 0, error, len(error))
+    assert first >= 0
+    assert library.moe_triton_register(b"k", b"\x7fELF", 4, 8, 70000, error, len(error)) == first + 1
+    assert library.moe_triton_register(b"k", b"\x7fELF", 4, 0, 0, error, len(error)) == -1
+    assert error.value == b"num_warps: expected 1 to 32, got 0"
+    assert library.moe_triton_register(b"k", b"\x7fELF", 4, 4, -1, error, len(error)) == -1
+    assert error.value == b"shared: expected a byte count >= 0, got -1"
+    with pytest.raises(ValueError, match=r"grouped_gemm_kernel: no cubin to register"):
+        triton_call.kernel_id.__wrapped__(triton_call.Compiled("grouped_gemm_kernel", "// ptx", 0, 0, 1), 4)
+
+
+def test_without_a_cuda_driver_the_launcher_says_why():
+    import ctypes.util
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this host has a CUDA driver")
+    reason = triton_call._launcher_library().moe_triton_driver_error().decode()
+    assert reason.startswith("cannot open libcuda.so.1: ")
+
+
+def test_a_launcher_that_cannot_be_built_says_why(monkeypatch):
+    from moe_shared import native
+    monkeypatch.setattr(native, "load_library", lambda *a, **k: (None, "no C++ compiler found (set CXX)"))
+    triton_call._launcher_library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"moe_jax's Triton launcher cannot be built: no C\+\+ compiler found"):
+            triton_call._launcher_library()
+    finally:
+        triton_call._launcher_library.cache_clear()
+
+
+_BACKEND_SCRIPT = """
+import json
+import jax, jax.numpy as jnp
+from moe_jax import triton_call
+from moe_jax.backends import triton as backend
+from moe_shared.kernels import plan as plans
+triton_call.compute_capability = lambda device=None: 90
+backend._device_name = lambda: "NVIDIA H200"
+T, H, I, E, k = 64, 256, 128, 8, 2
+x, w = jnp.ones((T, H), jnp.bfloat16), jnp.ones((T, k), jnp.bfloat16)
+ids = jnp.zeros((T, k), jnp.int32)
+gate_up, down = jnp.ones((E, 2 * I, H), jnp.bfloat16), jnp.ones((E, H, I), jnp.bfloat16)
+def loss(x, w, gate_up, down):
+    return backend.experts_forward(x, ids, w, gate_up, down).astype(jnp.float32).sum()
+text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, w, gate_up, down).lower(
+    lowering_platforms=("cuda",)).as_text()
+problem = backend.problem_of(x, ids, gate_up, down, None, None, "silu")
+steps = [s for p in (plans.forward_plan(problem, training=True), plans.backward_plan(problem)) for s in p.steps if s.grid]
+print(json.dumps(dict(ours=text.count("custom_call @moe_triton_launch"), jaxlib=text.count("triton_kernel_call"),
+                      steps=len(steps), kernels=triton_call.kernel_id.cache_info().currsize)))
+"""
+
+
+def test_the_backend_launches_every_step_through_this_package_s_launcher(tmp_path):
+    """The JAX triton backend's forward and backward lowered for CUDA (real compiles, outside the interpreter): one
+    moe_triton_launch call per plan step, none into jaxlib's launcher."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _BACKEND_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["ours"] == found["steps"] > 0 and found["jaxlib"] == 0
+    assert 0 < found["kernels"] <= found["steps"]

@@ -1,7 +1,8 @@
 """triton (JAX): the fused MoE Triton kernels of ``moe_shared.kernels``, the same ones moe_torch launches.
 
-Each step of the shared launch plans (``moe_shared.kernels.plan``) is one custom call into jaxlib's Triton launcher
-on XLA's stream (``moe_jax.triton_call``, which gives the kernels the global scratch their tensor descriptors need);
+Each step of the shared launch plans (``moe_shared.kernels.plan``) is one custom call into this package's Triton
+launcher on XLA's stream (``moe_jax.triton_call``: the cubin moe_torch runs, with the global scratch the kernels'
+tensor descriptors need);
 the forward, the input gradients and the weight gradients are separate calls inside one ``jax.custom_vjp``. Works
 under ``jax.jit``; every size is static there, so the plan (grids, tile configs) is fixed when the program is
 traced.
@@ -39,11 +40,22 @@ def _xla_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
                               num_stages=step.num_stages, zeroed=step.zeroed)
 
 
+def _jaxlib_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
+    from moe_jax import triton_call
+    return triton_call.launch_jaxlib(kernel, step.grid, args, out_shapes, dict(step.constants),
+                                     num_warps=step.num_warps, num_stages=step.num_stages, zeroed=step.zeroed)
+
+
 XLA_LAUNCHER = Launcher(_xla_launch, tensor_descriptors=True)
-"""Each step a custom call into jaxlib's Triton launcher (``moe_jax.triton_call``), the kernels given their global
-scratch. (jax_triton's ``triton_call`` gives them a null pointer there: a kernel building a tensor descriptor
-faults, tests/device_results/nvidia-h200-triton-descriptors.json, and the pointer loads it leaves cost up to 12%,
+"""Each step a custom call into this package's Triton launcher (``moe_jax.triton_call.launch``: the cubin moe_torch
+runs, registered once, named by an id), the kernels given their global scratch. (jax_triton's ``triton_call``
+gives them a null pointer there: a kernel building a tensor descriptor faults,
+tests/device_results/nvidia-h200-triton-descriptors.json, and the pointer loads it leaves cost up to 12%,
 mixtral-8x7b T=4096 forward, tests/device_results/nvidia-h100-triton-launchers.json.)"""
+
+JAXLIB_LAUNCHER = Launcher(_jaxlib_launch, tensor_descriptors=True)
+"""Each step a custom call into jaxlib's Triton launcher (``moe_jax.triton_call.launch_jaxlib``), with the same
+global scratch; kept for comparison."""
 
 _launcher: Launcher = XLA_LAUNCHER
 
