@@ -11,7 +11,7 @@ zero in the result. Two kernels, chosen per platform when the program is lowered
   Cost grows with S + E * small block, never with E * S.
   Differentiated by its own VJP (the input gradient is again a segment loop, the weight gradient a blocked
   transposed product).
-- ``triton``: the Triton grouped GEMM of ``moe_shared.kernels`` through jaxlib's Triton launcher (CUDA), with its
+- ``triton``: the Triton grouped GEMM of ``moe_shared.kernels`` through moe_jax's Triton launcher (CUDA), with its
   own VJP (the input gradient on the transposed weights, the weight gradient a K-grouped GEMM over each expert's
   rows).
 """

@@ -1,7 +1,7 @@
 """sonicmoe (JAX): SonicMoE's kernels, the ones moe_torch's ``sonicmoe`` runs, from JAX, forward and backward.
 
 The routing metadata comes from the shared Triton kernels (``moe_shared.sonic_steps.routing_plan``, launched with
-jaxlib's Triton launcher as the ``triton`` backend launches them); then the forward and the backward are one
+moe_jax's Triton launcher as the ``triton`` backend launches them); then the forward and the backward are one
 ``jax.experimental.buffer_callback`` each, on XLA's stream: the callback views XLA's buffers with DLPack (no copies)
 and runs ``moe_shared.sonic_steps`` (the same composition of SonicMoE's steps as moe_torch, on the same buffer
 tables) with torch's current stream set to XLA's (``moe_jax.torch_bridge``). Every buffer, scratch included, is an
