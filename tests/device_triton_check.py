@@ -641,7 +641,7 @@ def _step_points(text: str) -> tuple[tuple[str, int], ...]:
     for item in text.split(","):
         shape, _, tokens = item.partition(":")
         if shape not in SHAPES or not tokens.isdigit():
-            raise SystemExit(f"--step-points: expected shape:T with a shape of {sorted(SHAPES)}, got {item!r}")
+            raise SystemExit(f"expected shape:T pairs with a shape of {sorted(SHAPES)}, got {item!r}")
         points.append((shape, int(tokens)))
     return tuple(points)
 
@@ -1252,8 +1252,8 @@ def descriptor_checks(results):
 def direct_launch_checks(results):
     """Eager torch calls launch each step's cached kernel through triton's C launcher (``_direct_launch``): the
     same bits as through triton's launch wrapper (the C launcher switched off), for inference (decode and sorted
-    paths) and training (output and every gradient), and the C launcher taken for every kernel without a scratch
-    buffer."""
+    paths) and training (output and every gradient), and the C launcher taken for every kernel (those building
+    tensor descriptors given their global scratch by torch's allocator)."""
     import torch
     import moe_torch
     from moe_torch.backends import triton as backend
@@ -1343,7 +1343,8 @@ PARTS = {
     "jax-profile": lambda results, args: jax_profile_calls(results),
     "launchers": lambda results, args: launcher_timings(results),
     "framework-kernels": lambda results, args: framework_kernels(results),
-    "own-launcher": lambda results, args: own_launcher(results),
+    "own-launcher": lambda results, args: own_launcher(
+        results, *((_step_points(args.launcher_points),) if args.launcher_points else ())),
     "host": lambda results, args: host_profile(results),
     "launch": lambda results, args: direct_launch_checks(results),
     "decode-threshold": lambda results, args: _decode_threshold_part(results, args.configs_out),
@@ -1368,6 +1369,7 @@ def main():
     p.add_argument("--step-points", help="steps part: shape:T pairs instead of STEP_POINTS (comma-separated), "
                                          "their GEMM steps under variants at any T")
     p.add_argument("--step-plans", help="steps part: only these plans (fwd, bwd, decode; comma-separated)")
+    p.add_argument("--launcher-points", help="own-launcher part: shape:T pairs instead of OWN_LAUNCH_POINTS")
     p.add_argument("--merge-steps", nargs="+", type=Path, metavar="RESULTS",
                    help="no GPU: write the fastest step variants of these --parts steps results into --table")
     p.add_argument("--table", type=Path, default=Path(plans.CONFIG_DIR) / "nvidia-h200.json")

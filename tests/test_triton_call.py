@@ -84,6 +84,17 @@ def test_signature_takes_defaults_specialises_pointers_and_ones():
         triton_call.triton_signature(moe.route_histogram_kernel, types, {"E": 4, "EB": 8})
 
 
+def _outside_the_interpreter(tmp_path, script: str, *args: str):
+    """What ``script`` prints last (JSON), run in a subprocess without TRITON_INTERPRET (real compiles, cached in
+    ``tmp_path``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 _COMPILE_SCRIPT = """
 import json, sys
 from moe_jax import triton_call
@@ -113,12 +124,7 @@ print(json.dumps(found))
 
 def test_compiled_for_the_h200_the_descriptor_steps_need_scratch_and_no_other(tmp_path):
     """Compiled for compute capability 9.0 with triton's own ptxas, outside the interpreter (a subprocess)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(QWEN3_T4096.__dict__)], env=env,
-                          cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _outside_the_interpreter(tmp_path, _COMPILE_SCRIPT, json.dumps(QWEN3_T4096.__dict__))
     gemms = [f for f in found if f["kernel"] == "grouped_gemm_kernel"]
     assert [f["b_desc"] for f in gemms] == [plans.B_K_ROWS] * 2 + [plans.B_POINTERS] * 2
     assert all(f["scratch"] > 0 and f["scratch"] % 128 == 0 and f["align"] >= 64 for f in gemms[:2])
@@ -316,11 +322,6 @@ print(json.dumps(dict(ours=text.count("custom_call @moe_triton_launch"), jaxlib=
 def test_the_backend_launches_every_step_through_this_package_s_launcher(tmp_path):
     """The JAX triton backend's forward and backward lowered for CUDA (real compiles, outside the interpreter): one
     moe_triton_launch call per plan step, none into jaxlib's launcher."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _BACKEND_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _outside_the_interpreter(tmp_path, _BACKEND_SCRIPT)
     assert found["ours"] == found["steps"] > 0 and found["jaxlib"] == 0
     assert 0 < found["kernels"] <= found["steps"]
