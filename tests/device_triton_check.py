@@ -1252,8 +1252,8 @@ def descriptor_checks(results):
 def direct_launch_checks(results):
     """Eager torch calls launch each step's cached kernel through triton's C launcher (``_direct_launch``): the
     same bits as through triton's launch wrapper (the C launcher switched off), for inference (decode and sorted
-    paths) and training (output and every gradient), and the C launcher taken for every kernel (those building
-    tensor descriptors given their global scratch by torch's allocator)."""
+    paths) and training (output and every gradient), and the C launcher taken for every kernel without a scratch
+    buffer."""
     import torch
     import moe_torch
     from moe_torch.backends import triton as backend
