@@ -2,8 +2,8 @@
 // moe_torch's launches run), on XLA's stream. The kernels are registered once from Python
 // (moe_triton_register: name, cubin, warps, shared memory -> a small integer id); a call carries the id, the grid
 // and its parameter list as attributes, so nothing is parsed or hashed per launch. Each kernel's module is loaded
-// into a device's context at its first launch there (the stream's context), with the dynamic shared memory limit
-// raised as triton's own launcher does. The CUDA driver is opened with dlopen and its entry points taken from
+// into a device's context at its first launch there (the context XLA has current, else the stream's), with the
+// dynamic shared memory limit raised as triton's own launcher does. The CUDA driver is opened with dlopen and its entry points taken from
 // cuGetProcAddress: no CUDA toolkit is needed to build this file (cuda.h is triton's copy).
 #include <dlfcn.h>
 
