@@ -308,6 +308,14 @@ def _point(shape, T):
     return _STATE[shape], _STATE[key]
 
 
+def _jax_point(shape, T) -> list:
+    """``_point``'s inputs as JAX arrays (DLPack, no copies): x, ids (int32), routing weights, gate_up, down, dout."""
+    import jax
+    import torch
+    (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+    return [jax.dlpack.from_dlpack(t.contiguous()) for t in (x, idx.to(torch.int32), w, gate_up, down, dout)]
+
+
 def _callable(shape, T, mode):
     """The call the timing measures: the inference forward (sorted path, or the decode kernels), or the backward
     plan alone (from the residuals of one training forward)."""
@@ -838,12 +846,10 @@ def jax_call_times(shape=None, T=None, mode=None):
     import jax
     import jax.numpy as jnp
     import moe_jax
-    import torch
     if shape is None:
         one, add = jnp.ones((1,), jnp.float32), jax.jit(lambda a: a + 1)
         return _clock(lambda: add(one), jax.block_until_ready)
-    (gate_up, down), (x, idx, w, dout) = _point(shape, T)
-    arrays = [jax.dlpack.from_dlpack(t.contiguous()) for t in (x, idx.to(torch.int32), w, gate_up, down, dout)]
+    arrays = _jax_point(shape, T)
 
     def forward(x, idx, w, gate_up, down):
         return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
@@ -870,7 +876,6 @@ FRAMEWORK_POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 2), ("qwen3-30b-a3b"
 def _device_kernels(run, calls: int = 10) -> dict:
     """Each GPU kernel ``run`` ran under torch.profiler (CUPTI sees every kernel of the process, XLA's launches
     included): name -> device ms per call and launches per call."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run(calls)
@@ -915,7 +920,7 @@ def framework_kernels(results, points=FRAMEWORK_POINTS):
 
     def run(shape, T):
         (gate_up, down), (x, idx, w, _) = _point(shape, T)
-        arrays = [jax.dlpack.from_dlpack(t.contiguous()) for t in (x, idx.to(torch.int32), w, gate_up, down)]
+        arrays = _jax_point(shape, T)[:5]
         jitted = jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="triton", validate=False))
 
         def torch_call():
@@ -1002,8 +1007,6 @@ def launcher_timings(results):
         record(results, "launchers", f"{shape} T={T} {mode}", run)
 
 
-# --- JAX training at large token counts -------------------------------------------------------------------------
-
 OWN_LAUNCH_POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 64), ("mixtral-8x7b", 1),
                      ("deepseek-v3", 1), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 4096))
 
@@ -1013,10 +1016,7 @@ def _jax_results(shape, T, mode) -> list:
     import jax
     import jax.numpy as jnp
     import moe_jax
-    import torch
-    (gate_up, down), (x, idx, w, dout) = _point(shape, T)
-    x, idx, w, gate_up, down, dout = [jax.dlpack.from_dlpack(t.contiguous())
-                                      for t in (x, idx.to(torch.int32), w, gate_up, down, dout)]
+    x, idx, w, gate_up, down, dout = _jax_point(shape, T)
 
     def forward(x, w, gate_up, down):
         return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
@@ -1083,6 +1083,8 @@ def own_launcher(results, points=OWN_LAUNCH_POINTS, modes=("fwd", "fwd+bwd")):
 
     record(results, "own-launcher", "an unknown kernel id is refused", unknown_id)
 
+
+# --- JAX training at large token counts -------------------------------------------------------------------------
 
 def large_jax_training(results, tokens=(16384, 65536)):
     """JAX triton forward+backward (every gradient) on qwen3-30b-a3b at large T, jitted: no out-of-memory, the
