@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "cuda.h"
 #include "xla/ffi/api/ffi.h"
@@ -57,18 +58,10 @@ struct Driver {
   std::string error;  // why the driver cannot be used (empty: it can)
 };
 
+// Where each entry point is stored, by its name in the driver.
 template <typename Function>
-bool Resolve(CUresult (*get_proc_address)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*),
-             const char* symbol, Function* function, std::string* error) {
-  void* found = nullptr;
-  CUdriverProcAddressQueryResult status;
-  if (get_proc_address(symbol, &found, kDriverVersion, CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS ||
-      found == nullptr) {
-    *error = std::string("the CUDA driver has no ") + symbol;
-    return false;
-  }
-  *function = reinterpret_cast<Function>(found);
-  return true;
+std::pair<const char*, void**> Entry(const char* symbol, Function* slot) {
+  return {symbol, reinterpret_cast<void**>(slot)};
 }
 
 const Driver& OpenDriver() {
@@ -87,21 +80,30 @@ const Driver& OpenDriver() {
       d.error = "libcuda.so.1 has no cuGetProcAddress_v2 (a CUDA 12 driver or newer is needed)";
       return d;
     }
-    bool ok = Resolve(get_proc_address, "cuGetErrorName", &d.get_error_name, &d.error) &&
-              Resolve(get_proc_address, "cuStreamGetCtx", &d.stream_get_ctx, &d.error) &&
-              Resolve(get_proc_address, "cuCtxGetCurrent", &d.ctx_get_current, &d.error) &&
-              Resolve(get_proc_address, "cuCtxPushCurrent", &d.ctx_push_current, &d.error) &&
-              Resolve(get_proc_address, "cuCtxPopCurrent", &d.ctx_pop_current, &d.error) &&
-              Resolve(get_proc_address, "cuCtxGetDevice", &d.ctx_get_device, &d.error) &&
-              Resolve(get_proc_address, "cuDeviceGetAttribute", &d.device_get_attribute, &d.error) &&
-              Resolve(get_proc_address, "cuModuleLoadData", &d.module_load_data, &d.error) &&
-              Resolve(get_proc_address, "cuModuleGetFunction", &d.module_get_function, &d.error) &&
-              Resolve(get_proc_address, "cuFuncGetAttribute", &d.func_get_attribute, &d.error) &&
-              Resolve(get_proc_address, "cuFuncSetAttribute", &d.func_set_attribute, &d.error) &&
-              Resolve(get_proc_address, "cuFuncSetCacheConfig", &d.func_set_cache_config, &d.error) &&
-              Resolve(get_proc_address, "cuMemsetD8Async", &d.memset_d8_async, &d.error) &&
-              Resolve(get_proc_address, "cuLaunchKernel", &d.launch_kernel, &d.error);
-    if (!ok && d.error.empty()) d.error = "the CUDA driver's entry points could not be resolved";
+    const std::pair<const char*, void**> entries[] = {
+        Entry("cuGetErrorName", &d.get_error_name),
+        Entry("cuStreamGetCtx", &d.stream_get_ctx),
+        Entry("cuCtxGetCurrent", &d.ctx_get_current),
+        Entry("cuCtxPushCurrent", &d.ctx_push_current),
+        Entry("cuCtxPopCurrent", &d.ctx_pop_current),
+        Entry("cuCtxGetDevice", &d.ctx_get_device),
+        Entry("cuDeviceGetAttribute", &d.device_get_attribute),
+        Entry("cuModuleLoadData", &d.module_load_data),
+        Entry("cuModuleGetFunction", &d.module_get_function),
+        Entry("cuFuncGetAttribute", &d.func_get_attribute),
+        Entry("cuFuncSetAttribute", &d.func_set_attribute),
+        Entry("cuFuncSetCacheConfig", &d.func_set_cache_config),
+        Entry("cuMemsetD8Async", &d.memset_d8_async),
+        Entry("cuLaunchKernel", &d.launch_kernel),
+    };
+    for (const auto& [symbol, slot] : entries) {
+      CUdriverProcAddressQueryResult status;
+      if (get_proc_address(symbol, slot, kDriverVersion, CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS ||
+          *slot == nullptr) {
+        d.error = std::string("the CUDA driver has no ") + symbol;
+        return d;
+      }
+    }
     return d;
   }();
   return driver;

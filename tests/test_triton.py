@@ -533,7 +533,7 @@ def _stand_in_kernel(calls, scratch=0):
     wrapper (``compiled[grid](...)``) or their C launcher (``compiled.run.launch``)."""
 
     class Launcher:
-        global_scratch_size, profile_scratch_size = scratch, 0
+        global_scratch_size, profile_scratch_size, global_scratch_align, num_ctas = scratch, 0, 128, 1
         launch_cooperative_grid, launch_pdl = False, True
 
         def launch(self, *args):
@@ -581,10 +581,11 @@ def test_launch_cache_reuses_the_compiled_kernel_only_for_the_same_specializatio
     assert calls[1][1] == (3, 1, 1) and calls[1][2][3:] == (2, 7)
 
 
-def test_launch_cache_calls_the_c_launcher_with_the_arguments_of_triton_s_wrapper():
+def test_launch_cache_calls_the_c_launcher_with_the_arguments_of_triton_s_wrapper(monkeypatch):
     """Given a stream, a cached kernel is launched through its C launcher with what triton's wrapper passes it
     (grid, stream, function, launch flags, no scratch, packed metadata, no launch metadata or hooks, then every
-    argument and constant); a kernel that takes a scratch buffer keeps the wrapper, which allocates it."""
+    argument and constant); a kernel that takes a global scratch gets one of programs x its bytes per program from
+    the allocator triton's wrapper would use."""
     calls = []
     step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
     a, out = torch.zeros(8), torch.zeros(4)
@@ -598,9 +599,21 @@ def test_launch_cache_calls_the_c_launcher_with_the_arguments_of_triton_s_wrappe
     calls.clear()
     scratch_step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
     kernel = _stand_in_kernel(calls, scratch=128)
+    allocated = []
+
+    def workspace(size, alignment, stream):
+        allocated.append((size, alignment, stream))
+        return torch.empty(size, dtype=torch.int8)
+
+    monkeypatch.setattr(torch_triton_backend, "_descriptor_workspace", workspace)
     for _ in range(2):
         torch_triton_backend._launch(kernel, scratch_step, [a, 5, out], (0, 1234))
-    assert [c[0] for c in calls] == ["jit", "wrapper"]
+    assert [c[0] for c in calls] == ["jit", "c-launcher"]
+    assert allocated == [(3 * 128, 128, 1234)]
+    scratch = calls[1][1][7]
+    assert isinstance(scratch, torch.Tensor) and scratch.numel() == 3 * 128
+    assert calls[1][1][:7] == (3, 1, 1, 1234, "function", False, True)
+    assert calls[1][1][8:] == (None, "packed", None, None, None, a, 5, out, 2, 7)
 
 
 def test_triton_launch_hooks_keep_triton_s_launch_wrapper():

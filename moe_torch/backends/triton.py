@@ -143,19 +143,30 @@ def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None])
 
 def _direct_launch(compiled):
     """A launch of ``compiled`` through triton's C launcher with the arguments ``compiled[grid](...)`` would give
-    it (no launch metadata, hooks or scratch buffers), or None for a kernel that takes a scratch buffer (tensor
-    descriptors made on the device): that one keeps triton's wrapper, which allocates it."""
+    it (no launch metadata or hooks), or None for a kernel that takes a profile scratch buffer. A kernel that builds
+    tensor descriptors on the device gets its global scratch (programs x its bytes per program) from torch's
+    allocator, as ``_descriptor_workspace`` gives it to triton's wrapper."""
     run = compiled.run
-    if run.global_scratch_size or run.profile_scratch_size:
+    if run.profile_scratch_size:
         return None
     launch, function, packed = run.launch, compiled.function, compiled.packed_metadata
     cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+    scratch_per_program = run.global_scratch_size * run.num_ctas
 
-    def direct(grid: int, stream: int, args: list, constants: list) -> None:
-        launch(grid, 1, 1, stream, function, cooperative, pdl, None, None, packed, None, None, None, *args,
+    if not scratch_per_program:
+        def direct(grid: int, stream: int, args: list, constants: list) -> None:
+            launch(grid, 1, 1, stream, function, cooperative, pdl, None, None, packed, None, None, None, *args,
+                   *constants)
+        return direct
+
+    align = run.global_scratch_align
+
+    def direct_with_scratch(grid: int, stream: int, args: list, constants: list) -> None:
+        scratch = _descriptor_workspace(grid * scratch_per_program, align, stream)
+        launch(grid, 1, 1, stream, function, cooperative, pdl, scratch, None, packed, None, None, None, *args,
                *constants)
 
-    return direct
+    return direct_with_scratch
 
 
 def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torch.Tensor]:
