@@ -1255,7 +1255,9 @@ def direct_launch_checks(results):
     """Eager torch calls launch each step's cached kernel through triton's C launcher (``_direct_launch``): the
     same bits as through triton's launch wrapper (the C launcher switched off), for inference (decode and sorted
     paths) and training (output and every gradient), and the C launcher taken for every kernel, those building
-    tensor descriptors on the device too (their global scratch comes from torch's allocator)."""
+    tensor descriptors on the device too (their global scratch comes from torch's allocator). CUDA graphs are off
+    for these calls (a replay launches nothing from Python)."""
+    import os
     import torch
     import moe_torch
     from moe_torch.backends import triton as backend
@@ -1286,6 +1288,8 @@ def direct_launch_checks(results):
         backend._LAUNCHED.clear()
         backend._direct_launch = counting
         launches["wrapper-kernels"] = 0
+        settings = {v: os.environ.get(v) for v in ("MOE_TORCH_GRAPHS", "MOE_TORCH_TRAINING_GRAPHS")}
+        os.environ.update(dict.fromkeys(settings, "off"))
         try:
             run(shape, T, training)  # compiles and caches
             launches["c-launcher"] = 0
@@ -1298,6 +1302,11 @@ def direct_launch_checks(results):
         finally:
             backend._direct_launch = saved
             backend._LAUNCHED.clear()
+            for variable, value in settings.items():
+                if value is None:
+                    del os.environ[variable]
+                else:
+                    os.environ[variable] = value
         same = all(torch.equal(a, b) for a, b in zip(direct, wrapped))
         found = {"identical": same, "c_launcher_launches": used, "kernels_left_to_the_wrapper": wrapper_kernels}
         if not same or not used or wrapper_kernels:
