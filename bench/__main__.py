@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             written.append(base.with_suffix(".png"))
         print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     print()
-    print(report.summary(meta, results.unavailable, results.skipped, results.errors, crossovers))
+    print(report.summary(meta, results.unavailable, results.skipped, results.errors, crossovers, results.records))
     print(f"finished in {(datetime.datetime.now() - started).total_seconds():.0f} s", file=sys.stderr)
     return 1 if results.errors else 0
 

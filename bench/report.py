@@ -13,7 +13,7 @@ from .runners import JIT, series
 
 RECORD_KEYS = ("framework", "backend", "library", "peer", "config", "hidden", "intermediate", "experts", "top_k",
                "tokens", "dtype", "mode", "compiled", "compile_mode", "ms", "stream_ms", "wall_ms", "floor_ms",
-               "tflops", "peak_mem_gib", "rel_err")
+               "tflops", "peak_mem_gib", "rel_err", "cudagraph_skips")
 _MARKERS = {"torch": "o", "jax": "s"}
 _PEER_MARKER = "x"
 META_KEYS = ("device", "torch", "jax", "triton", "commit", "date", "peak_tflops", "peak_tbs")
@@ -99,7 +99,8 @@ def _tokens(tokens: list[int]) -> str:
 
 
 def summary(meta: Mapping, unavailable: Mapping[str, Mapping[str, str]], skipped: Sequence[Mapping],
-            errors: Sequence[Mapping], crossover: Mapping[str, Mapping[str, Mapping]]) -> str:
+            errors: Sequence[Mapping], crossover: Mapping[str, Mapping[str, Mapping]],
+            records: Sequence[Mapping] = ()) -> str:
     lines = [f"device: {meta['device']}  peaks: {meta['peak_tflops']:.4g} TFLOP/s, {meta['peak_tbs']:.4g} TB/s "
              f"({meta['dtype']} matmul, copy)"]
     if meta.get("environment"):
@@ -116,6 +117,15 @@ def summary(meta: Mapping, unavailable: Mapping[str, Mapping[str, str]], skipped
         reasons = {s["reason"] for s in group}
         lines.append(f"skipped {cfg} {name} {_tokens([s['tokens'] for s in group])}: "
                      f"{'e.g. ' if len(reasons) > 1 else ''}{group[0]['reason']}")
+    without_graphs: dict[tuple, list[Mapping]] = {}
+    for r in sorted(records, key=_sort_key):
+        if r.get("cudagraph_skips"):
+            without_graphs.setdefault((r["config"], series(r["framework"], r["backend"], variant_of(r), r["mode"])),
+                                      []).append(r)
+    for (cfg, name), group in without_graphs.items():
+        lines.append(f"no CUDA graphs {cfg} {name} {_tokens([r['tokens'] for r in group])}: inductor ran "
+                     f"{sum(r['cudagraph_skips'] for r in group)} compiled graph(s) without the CUDA graphs of "
+                     f"mode {variant_of(group[0])} (its 'skipping cudagraphs due to' warnings say why)")
     for e in errors:
         lines.append(f"ERROR {e['config']} {series(e['framework'], e['backend'], variant_of(e), e['mode'])} "
                      f"T={e['tokens']}: {e['error']}")

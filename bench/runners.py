@@ -47,6 +47,8 @@ class Measurement:
     run_s: float  # wall time of warm-up and timing, without one-off compilation
     stream_ms: list[float] = ()  # per call, each sample a round of calls issued back to back
     wall_ms: list[float] = ()  # each timed call on the host's clock, from the call to its result being ready
+    # in a CUDA-graph compile mode where those graphs apply: how many compiled graphs ran without them
+    cudagraph_skips: int | None = None
 
     @property
     def median_ms(self) -> float:
@@ -69,6 +71,7 @@ JIT = "jit"
 # that the spec's compile table allows for the backend (for a peer, its counterpart). cudagraph modes only act on
 # CUDA; on CPU they compile like their cudagraph-free counterparts.
 COMPILE_PREFERENCE = ("max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead", "default")
+CUDA_GRAPH_MODES = frozenset({"max-autotune", "reduce-overhead"})
 
 
 class Runner(ABC):
@@ -113,6 +116,11 @@ class Runner(ABC):
 
     def release(self) -> None:
         """Drop the loaded inputs."""
+
+    def cudagraph_skips(self) -> int | None:
+        """How many compiled graphs so far ran without the CUDA graphs their compile mode asks for (a running
+        count); None where CUDA graphs do not apply."""
+        return None
 
     def recompiles_per_routing(self, variant: Variant) -> bool:
         """Whether this variant compiles again for new expert row counts (its warm-up grows with the hits)."""
@@ -170,6 +178,7 @@ class Runner(ABC):
 
     def _measure(self, backend: str, mode: str, variant: Variant, n_sets: int, timing: Timing) -> Measurement:
         call = self.build(backend, mode, variant)
+        skips_before = self.cudagraph_skips() if variant in CUDA_GRAPH_MODES else None
         built = time.perf_counter()
         self.finish(call(0))
         setup_end = time.perf_counter() if variant is not None else built
@@ -191,7 +200,8 @@ class Runner(ABC):
         peak = self.peak_memory_gib()
         stream = [self.clock_stream(call, n_sets) for _ in range(timing.stream_rounds)]
         return Measurement(samples, peak, output, run_s=time.perf_counter() - setup_end, stream_ms=stream,
-                           wall_ms=walls)
+                           wall_ms=walls,
+                           cudagraph_skips=None if skips_before is None else self.cudagraph_skips() - skips_before)
 
 
 def requested_modes(compile_mode: str, allowed: Collection[str]) -> list[str]:
@@ -213,11 +223,20 @@ class TorchRunner(Runner):
     "compiled" timing would not be one."""
 
     framework = "torch"
+    CUDA_GRAPH_DEVICES = ("cuda",)  # elsewhere the CUDA-graph modes compile like their counterparts without them
 
     def __init__(self, device: torch.device):
         super().__init__(device)
         self._base_memory = 0
         self._call_bytes = 0
+
+    def cudagraph_skips(self):
+        """inductor's count of the graphs it ran without CUDA graphs in a CUDA-graph mode (each is also logged as
+        a "skipping cudagraphs due to ..." warning)."""
+        if self.device.type not in self.CUDA_GRAPH_DEVICES:
+            return None
+        from torch._dynamo.utils import counters
+        return counters["inductor"]["cudagraph_skips"]
 
     def availability(self) -> dict[str, str | None]:
         return moe_torch.available_backends(self.device) | {n: p.unavailable() for n, p in peers_of("torch").items()}

@@ -263,10 +263,12 @@ def _measure_point(p: Point, runner: Runner, opts: Options, results: Results, ba
 def _pooled(measurements: Sequence[Measurement]) -> Measurement:
     """The rounds of one point as one measurement: every round's samples, the largest peak, the first output."""
     peaks = [m.peak_mem_gib for m in measurements if m.peak_mem_gib is not None]
+    skips = [m.cudagraph_skips for m in measurements if m.cudagraph_skips is not None]
     return Measurement([ms for m in measurements for ms in m.ms], max(peaks) if peaks else None,
                        measurements[0].output, sum(m.run_s for m in measurements),
                        stream_ms=[ms for m in measurements for ms in m.stream_ms],
-                       wall_ms=[ms for m in measurements for ms in m.wall_ms])
+                       wall_ms=[ms for m in measurements for ms in m.wall_ms],
+                       cudagraph_skips=sum(skips) if skips else None)
 
 
 def _record_point(p: Point, m: Measurement, peaks: roofline.Peaks, hits: float, dtype: str, itemsize: int,
@@ -284,7 +286,7 @@ def _record_point(p: Point, m: Measurement, peaks: roofline.Peaks, hits: float, 
         "stream_ms": m.median_stream_ms, "wall_ms": m.median_wall_ms,
         "floor_ms": roofline.floor_ms(n_flops, n_bytes, peaks.tflops, peaks.tbs),
         "tflops": n_flops / (ms * 1e-3) / 1e12, "peak_mem_gib": m.peak_mem_gib,
-        "rel_err": relative_l2(m.output, reference),
+        "rel_err": relative_l2(m.output, reference), "cudagraph_skips": m.cudagraph_skips,
     })
     return m.run_s
 

@@ -29,6 +29,7 @@ RECORD_TYPES = {
     "intermediate": int, "experts": int, "top_k": int, "tokens": int, "dtype": str, "mode": str, "compiled": bool,
     "compile_mode": (str, type(None)), "ms": float, "floor_ms": float, "tflops": float,
     "peak_mem_gib": (float, type(None)), "rel_err": float, "stream_ms": float, "wall_ms": float,
+    "cudagraph_skips": (int, type(None)),
 }
 META_TYPES = {
     "device": str, "torch": str, "jax": (str, type(None)), "triton": (str, type(None)),
@@ -547,6 +548,25 @@ def test_compiled_series_take_the_weights_as_static_addresses(mode, monkeypatch)
     for weight in (weights.gate_up, weights.down, *runner._leaves[0][2:]):
         assert getattr(weight, "_dynamo_static_input_type", None) == "unguarded"
     torch.testing.assert_close(call(1), uncompiled(1))
+
+
+def test_compiled_series_record_the_graphs_run_without_cuda_graphs(tmp_path, monkeypatch, capsys):
+    """A compiled series in a CUDA-graph mode records how many of its graphs inductor ran without CUDA graphs, and
+    the summary names it; other series record None. Here the CPU stands in for a device where CUDA graphs apply:
+    inductor skips them for CPU tensors and counts each skip."""
+    monkeypatch.setattr(runners.TorchRunner, "CUDA_GRAPH_DEVICES", ("cpu", "cuda"))
+    argv = ["--config", "tiny", "--tokens", "4", "--device", "cpu", "--out", str(tmp_path), "--frameworks", "torch",
+            "--backends", "grouped_mm", "--modes", "fwd", "--compile", "off,on", "--compile-mode",
+            "reduce-overhead,default", "--no-peers", "--min-reps", "1", "--max-reps", "1", "--min-time", "0",
+            "--sets", "1", "--stream-rounds", "1", "--no-plot"]
+    assert main(argv) == 0
+    (folder,) = tmp_path.iterdir()
+    records = json.loads(_one(folder, ".json").read_text())["records"]
+    skips = {r["compile_mode"]: r["cudagraph_skips"] for r in records}
+    assert skips[None] is None and skips["default"] is None
+    assert skips["reduce-overhead"] >= 1
+    assert ("no CUDA graphs tiny torch:grouped_mm:compiled-reduce-overhead:fwd T=4: inductor ran "
+            f"{skips['reduce-overhead']} compiled graph(s)") in capsys.readouterr().out
 
 
 def test_jax_runner_reports_what_a_jitted_call_needs():
