@@ -29,7 +29,7 @@ import torch
 from . import environment
 from .configs import get_configs, parse_tokens
 from .inputs import make_sets, make_weights
-from .runners import COMPILE_PREFERENCE, TorchRunner
+from .runners import COMPILE_PREFERENCE, CUDA_GRAPH_MODES, TorchRunner
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -73,15 +73,24 @@ def kernel_launches(rows: Sequence[dict]) -> float:
     return sum(r["count"] for r in rows if "LaunchKernel" in r["op"] or r["op"].startswith("cuLaunch"))
 
 
+def graph_launches(rows: Sequence[dict]) -> float:
+    """CUDA graphs replayed per call (cudaGraphLaunch)."""
+    return sum(r["count"] for r in rows if "GraphLaunch" in r["op"])
+
+
 def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, calls: int,
                   compile_mode: str | None = None) -> dict:
+    """``cudagraph_skips``: in a CUDA-graph compile mode on CUDA, the compiled graphs inductor ran without CUDA
+    graphs (``TorchRunner.cudagraph_skips``), else None."""
     call = runner.build(backend, mode, compile_mode)
+    skips = runner.cudagraph_skips() if compile_mode in CUDA_GRAPH_MODES else None
     for i in range(2 * n_sets):  # warm-up (allocator, caches, lazy imports)
         call(i % n_sets)
     host = host_ms(call, n_sets, calls, runner.device)
     rows = op_table(call, n_sets, calls, runner.device)
     return {"backend": backend, "mode": mode, "compile_mode": compile_mode, "host_ms": host,
-            "kernels": kernel_launches(rows),
+            "kernels": kernel_launches(rows), "graphs": graph_launches(rows),
+            "cudagraph_skips": None if skips is None else runner.cudagraph_skips() - skips,
             "device_ms": sum(r["device_ms"] for r in rows), "ops": rows}
 
 
@@ -89,7 +98,10 @@ def render(point: dict, top: int) -> str:
     compiled = f" compiled-{point['compile_mode']}" if point.get("compile_mode") else ""
     lines = [f"{point['config']} T={point['tokens']} {point['backend']} {point['mode']}{compiled}: "
              f"host {point['host_ms']:.3f} "
-             f"ms/call, {point['kernels']:.0f} kernel launches/call, device {point['device_ms']:.3f} ms/call"]
+             f"ms/call, {point['kernels']:.0f} kernel launches/call, {point['graphs']:.0f} CUDA graph launches/call, "
+             f"device {point['device_ms']:.3f} ms/call"
+             + (f", {point['cudagraph_skips']} graph(s) compiled without CUDA graphs" if point.get("cudagraph_skips")
+                else "")]
     for r in point["ops"][:top]:
         lines.append(f"  {r['device_ms']:9.4f} dev ms  {r['host_ms']:9.4f} host ms  {r['count']:6.1f}x  {r['op'][:90]}")
     return "\n".join(lines)

@@ -495,6 +495,21 @@ def test_profile_builds_the_compiled_series_where_the_spec_allows(capsys):
         profile.main(["--device", "cpu", "--config", "tiny", "--compile-mode", "fastest"])
 
 
+def test_profile_counts_graph_launches_and_graphs_compiled_without_them(tmp_path, monkeypatch, capsys):
+    """A profiled point says how many CUDA graphs a call replays and, in a CUDA-graph compile mode, how many of its
+    compiled graphs inductor ran without them (the CPU stands in for a device where they apply, as above)."""
+    from bench import profile
+
+    monkeypatch.setattr(runners.TorchRunner, "CUDA_GRAPH_DEVICES", ("cpu", "cuda"))
+    out = tmp_path / "profile.json"
+    assert profile.main(["--device", "cpu", "--config", "tiny", "--tokens", "2", "--modes", "fwd", "--backends",
+                         "grouped_mm", "--calls", "1", "--compile-mode", "reduce-overhead", "--out", str(out)]) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["graphs"] == 0 and point["cudagraph_skips"] >= 1
+    assert f"{point['cudagraph_skips']} graph(s) compiled without CUDA graphs" in capsys.readouterr().out
+    assert profile.graph_launches([{"op": "cudaGraphLaunch", "count": 2.0}, {"op": "aten::mm", "count": 3.0}]) == 2
+
+
 def test_profile_names_an_unknown_backend():
     from bench import profile
 
