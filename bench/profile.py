@@ -10,15 +10,19 @@ benchmark's compiled series in the ``--compile-mode`` the spec's compile table a
 ``host_ms`` is the host time per call with the calls issued back to back and no sync between them (on CUDA the
 launch path: argument checks, Python, dispatch); then ``--calls`` calls run under ``torch.profiler`` and each op is
 reported per call: its count, its own host time, and on CUDA its kernels' device time (``kernels``: launches per
-call). The table prints the top ``--top`` entries by device time (host time on CPU); ``--out`` writes them all as
-JSON. Compare a backend with its transformers peer on the same inputs to see which ops make a difference.
+call; ``graphs``: CUDA graph launches); then the same calls under cProfile (``python``: the functions with the most
+own host time per call, where the time goes that no op names: wrappers, guards, CUDA-graph bookkeeping). The table
+prints the top ``--top`` entries of each by device time (host time on CPU); ``--out`` writes them all as JSON.
+Compare a backend with its transformers peer on the same inputs to see which ops make a difference.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
+import pstats
 import sys
 import time
 from collections.abc import Sequence
@@ -68,6 +72,22 @@ def op_table(call, n_sets: int, calls: int, device: torch.device) -> list[dict]:
     return sorted(rows, key=lambda r: (r["device_ms"], r["host_ms"]), reverse=True)
 
 
+def python_functions(call, n_sets: int, calls: int, device: torch.device, top: int = 25) -> list[dict]:
+    """The Python functions (and builtins) with the most own host time per call, under cProfile: where host time
+    goes that the op table does not name (dispatch wrappers, guards, CUDA-graph bookkeeping)."""
+    profiler = cProfile.Profile()
+    _sync(device)
+    profiler.enable()
+    for i in range(calls):
+        call(i % n_sets)
+    profiler.disable()
+    _sync(device)
+    stats = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(path).name}:{line}({name})", "own_ms": own / calls * 1e3,
+             "cum_ms": cumulative / calls * 1e3, "count": count / calls}
+            for (path, line, name), (_, count, own, cumulative, _) in stats]
+
+
 def kernel_launches(rows: Sequence[dict]) -> float:
     """Kernels launched per call (cudaLaunchKernel and its relatives)."""
     return sum(r["count"] for r in rows if "LaunchKernel" in r["op"] or r["op"].startswith("cuLaunch"))
@@ -88,10 +108,11 @@ def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, cal
         call(i % n_sets)
     host = host_ms(call, n_sets, calls, runner.device)
     rows = op_table(call, n_sets, calls, runner.device)
+    functions = python_functions(call, n_sets, calls, runner.device)
     return {"backend": backend, "mode": mode, "compile_mode": compile_mode, "host_ms": host,
             "kernels": kernel_launches(rows), "graphs": graph_launches(rows),
             "cudagraph_skips": None if skips is None else runner.cudagraph_skips() - skips,
-            "device_ms": sum(r["device_ms"] for r in rows), "ops": rows}
+            "device_ms": sum(r["device_ms"] for r in rows), "ops": rows, "python": functions}
 
 
 def render(point: dict, top: int) -> str:
@@ -104,6 +125,9 @@ def render(point: dict, top: int) -> str:
                 else "")]
     for r in point["ops"][:top]:
         lines.append(f"  {r['device_ms']:9.4f} dev ms  {r['host_ms']:9.4f} host ms  {r['count']:6.1f}x  {r['op'][:90]}")
+    lines.append("  Python, own host time per call:")
+    for f in point.get("python", ())[:top]:
+        lines.append(f"  {f['own_ms']:9.4f} own ms  {f['cum_ms']:9.4f} cum ms  {f['count']:6.1f}x  {f['function'][:90]}")
     return "\n".join(lines)
 
 

@@ -475,6 +475,9 @@ def test_profile_reports_each_points_ops(tmp_path, capsys):
     assert "aten::bmm" not in ops["batched_mm"]
     assert "aten::_grouped_mm" in ops["transformers:grouped_mm"] and "aten::bmm" not in ops["transformers:grouped_mm"]
     assert all(p["host_ms"] > 0 for p in points)
+    # cProfile's view of the same calls: our entry point among the functions with the most own time
+    assert any(f["function"].startswith("api.py:") and f["function"].endswith("(experts_forward)")
+               for f in points[0]["python"])
     assert "batched_mm fwd: host" in capsys.readouterr().out
 
 
@@ -506,6 +509,9 @@ def test_profile_counts_graph_launches_and_graphs_compiled_without_them(tmp_path
                          "grouped_mm", "--calls", "1", "--compile-mode", "reduce-overhead", "--out", str(out)]) == 0
     (point,) = json.loads(out.read_text())["points"]
     assert point["graphs"] == 0 and point["cudagraph_skips"] >= 1
+    functions = {f["function"]: f for f in point["python"]}
+    assert any("eval_frame" in name or "runtime_wrapper" in name or "compile" in name for name in functions)
+    assert all(f["own_ms"] >= 0 and f["cum_ms"] >= f["own_ms"] for f in point["python"])
     assert f"{point['cudagraph_skips']} graph(s) compiled without CUDA graphs" in capsys.readouterr().out
     assert profile.graph_launches([{"op": "cudaGraphLaunch", "count": 2.0}, {"op": "aten::mm", "count": 3.0}]) == 2
 
