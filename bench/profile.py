@@ -11,7 +11,9 @@ benchmark's compiled series in the ``--compile-mode`` the spec's compile table a
 launch path: argument checks, Python, dispatch); then ``--calls`` calls run under ``torch.profiler`` and each op is
 reported per call: its count, its own host time, and on CUDA its kernels' device time (``kernels``: launches per
 call; ``graphs``: CUDA graph launches); then the same calls under cProfile (``python``: the functions with the most
-own host time per call, where the time goes that no op names: wrappers, guards, CUDA-graph bookkeeping). The table
+own host time per call, where the time goes that no op names: wrappers, guards, CUDA-graph bookkeeping); for a
+compiled forward, ``frame_ms``: the host time per call of the same trace with its graph's work left out (dynamo's
+guard check and frame alone). The table
 prints the top ``--top`` entries of each by device time (host time on CPU); ``--out`` writes them all as JSON.
 Compare a backend with its transformers peer on the same inputs to see which ops make a difference.
 """
@@ -25,7 +27,7 @@ import json
 import pstats
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -98,10 +100,35 @@ def graph_launches(rows: Sequence[dict]) -> float:
     return sum(r["count"] for r in rows if "GraphLaunch" in r["op"])
 
 
+def replaying_compiler(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+    """A torch.compile backend that runs the traced graph at the first call and returns those outputs at every
+    later one: a compiled call without its graph's work (dynamo's guard check, the frame's code, the arguments)."""
+    outputs = None
+
+    def replay(*args):
+        nonlocal outputs
+        if outputs is None:
+            outputs = gm(*args)
+        return outputs
+
+    return replay
+
+
+def frame_ms(runner: TorchRunner, backend: str, n_sets: int, calls: int) -> float:
+    """Host time per call of the forward traced as in a compiled series, its graph's work left out
+    (``replaying_compiler``): what dynamo alone costs each call (inference; training needs the graph's autograd).
+    The best of three runs of ``calls`` calls: a few microseconds, easily lost in the host's noise."""
+    call = runner.build(backend, "fwd", "replaying", compiler=replaying_compiler)
+    for i in range(2 * n_sets):
+        call(i % n_sets)
+    return min(host_ms(call, n_sets, calls, runner.device) for _ in range(3))
+
+
 def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, calls: int,
                   compile_mode: str | None = None) -> dict:
     """``cudagraph_skips``: in a CUDA-graph compile mode on CUDA, the compiled graphs inductor ran without CUDA
-    graphs (``TorchRunner.cudagraph_skips``), else None."""
+    graphs (``TorchRunner.cudagraph_skips``), else None. ``frame_ms``: for a compiled forward, ``frame_ms``'s
+    share of ``host_ms``, else None."""
     call = runner.build(backend, mode, compile_mode)
     skips = runner.cudagraph_skips() if compile_mode in CUDA_GRAPH_MODES else None
     for i in range(2 * n_sets):  # warm-up (allocator, caches, lazy imports)
@@ -109,7 +136,8 @@ def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, cal
     host = host_ms(call, n_sets, calls, runner.device)
     rows = op_table(call, n_sets, calls, runner.device)
     functions = python_functions(call, n_sets, calls, runner.device)
-    return {"backend": backend, "mode": mode, "compile_mode": compile_mode, "host_ms": host,
+    frame = frame_ms(runner, backend, n_sets, calls) if compile_mode is not None and mode == "fwd" else None
+    return {"backend": backend, "mode": mode, "compile_mode": compile_mode, "host_ms": host, "frame_ms": frame,
             "kernels": kernel_launches(rows), "graphs": graph_launches(rows),
             "cudagraph_skips": None if skips is None else runner.cudagraph_skips() - skips,
             "device_ms": sum(r["device_ms"] for r in rows), "ops": rows, "python": functions}
@@ -118,8 +146,9 @@ def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, cal
 def render(point: dict, top: int) -> str:
     compiled = f" compiled-{point['compile_mode']}" if point.get("compile_mode") else ""
     lines = [f"{point['config']} T={point['tokens']} {point['backend']} {point['mode']}{compiled}: "
-             f"host {point['host_ms']:.3f} "
-             f"ms/call, {point['kernels']:.0f} kernel launches/call, {point['graphs']:.0f} CUDA graph launches/call, "
+             f"host {point['host_ms']:.3f} ms/call"
+             + (f" (dynamo's frame {point['frame_ms']:.3f})" if point.get("frame_ms") is not None else "")
+             + f", {point['kernels']:.0f} kernel launches/call, {point['graphs']:.0f} CUDA graph launches/call, "
              f"device {point['device_ms']:.3f} ms/call"
              + (f", {point['cudagraph_skips']} graph(s) compiled without CUDA graphs" if point.get("cudagraph_skips")
                 else "")]

@@ -293,7 +293,8 @@ class TorchRunner(Runner):
             return moe_torch.experts_forward(x, index, w, gate_up, down, implementation=backend, validate=False)
         return forward
 
-    def build(self, backend, mode, variant):
+    def build(self, backend, mode, variant, compiler: Callable | None = None):
+        """``compiler``: a torch.compile backend to trace with instead of inductor in the mode ``variant``."""
         forward = self._forward(backend)
         if variant is not None:
             torch._dynamo.reset()
@@ -301,7 +302,8 @@ class TorchRunner(Runner):
             # input into the graph's own buffers at each replay: 1.2 GB of qwen3-30b-a3b weights per call)
             for weight in (self.weights.gate_up, self.weights.down, *self._leaves[0][2:]):
                 torch._dynamo.mark_static_address(weight)
-            forward = torch.compile(forward, fullgraph=True, mode=variant, dynamic=False)
+            how = {"mode": variant} if compiler is None else {"backend": compiler}
+            forward = torch.compile(forward, fullgraph=True, dynamic=False, **how)
         return {"fwd": self._forward_call, "fwd+bwd": self._backward_call}[mode](forward)
 
     def _forward_call(self, forward):

@@ -493,6 +493,7 @@ def test_profile_builds_the_compiled_series_where_the_spec_allows(capsys):
     captured = capsys.readouterr()
     assert "skipped eager: not compiled: not fullgraph-compatible" in captured.err
     assert "grouped_mm fwd compiled-default: host" in captured.out and "eager fwd" not in captured.out
+    assert "(dynamo's frame " in captured.out
     assert counters["stats"]["unique_graphs"] >= 1
     with pytest.raises(SystemExit, match="--compile-mode: expected off or one of"):
         profile.main(["--device", "cpu", "--config", "tiny", "--compile-mode", "fastest"])
@@ -514,6 +515,24 @@ def test_profile_counts_graph_launches_and_graphs_compiled_without_them(tmp_path
     assert all(f["own_ms"] >= 0 and f["cum_ms"] >= f["own_ms"] for f in point["python"])
     assert f"{point['cudagraph_skips']} graph(s) compiled without CUDA graphs" in capsys.readouterr().out
     assert profile.graph_launches([{"op": "cudaGraphLaunch", "count": 2.0}, {"op": "aten::mm", "count": 3.0}]) == 2
+
+
+def test_profile_frame_runs_the_traced_graph_once_then_replays_its_outputs():
+    """``frame_ms`` times a compiled forward whose graph ran once: later calls pass dynamo's guards and get the
+    first call's outputs back without running the graph."""
+    import torch
+    from bench import profile
+
+    compiled = torch.compile(lambda x: x * 2, fullgraph=True, dynamic=False, backend=profile.replaying_compiler)
+    first = compiled(torch.ones(3))
+    again = compiled(torch.full((3,), 5.0))
+    assert torch.equal(first, torch.full((3,), 2.0)) and again is first
+    from bench.inputs import make_sets, make_weights
+
+    cpu, tiny = torch.device("cpu"), get_configs("tiny")[0]
+    runner = runners.TorchRunner(cpu)
+    runner.load(make_weights(tiny, torch.float32, cpu, 0), make_sets(tiny, 2, torch.float32, cpu, 0, 2))
+    assert profile.frame_ms(runner, "grouped_mm", 2, 3) > 0
 
 
 def test_profile_names_an_unknown_backend():
