@@ -505,6 +505,13 @@ ROW_TMA_STEP_VARIANTS = [C(*c, TMA=True, WARP_SPECIALIZE=ws, SHORT_TAILS=1, A_TM
 # Persistent weight-gradient programs (132, 264 or 396 programs, one flat loop over their tiles' row steps) were
 # slower than one program per tile for every step and shape (tests/device_results/nvidia-h200-triton-steps-wgrad-
 # persistent.json), so the kernel has no such mode.
+# Warp-specialized (triton's Hopper pass splits the K loop into TMA-loading and multiplying warps): it applies only
+# at 4 warps (at 8 the same code comes out as without it) and only without a reduction over the experts ahead of
+# the loop, hence the block table; both operands through descriptors (the pass fails on pointer-loaded rows).
+WS_STEP_VARIANTS = [C(*c, TMA=True, A_TMA=True, WARP_SPECIALIZE=True, BLOCK_TABLE=True, SHORT_TAILS=t, PROGRAMS=p)
+                    for c, t, p in (((128, 128, 64, 4, 3, 8), 1, 0), ((128, 128, 64, 4, 4, 8), 1, 0),
+                                    ((128, 64, 64, 4, 4, 8), 1, 0), ((64, 128, 64, 4, 4, 8), 0, 0),
+                                    ((128, 128, 64, 4, 3, 8), 0, 132), ((128, 64, 64, 4, 4, 8), 0, 132))]
 VARIANT_TOKENS = 4096
 # GEMV tiles of the decode kernels (BM unused): wider loads and more warps keep more bytes in flight per SM
 DECODE_STEP_VARIANTS = [C(1, 16, 256, 4, 2), C(1, 32, 256, 4, 2), C(1, 16, 512, 4, 2), C(1, 16, 512, 8, 2),
@@ -525,6 +532,8 @@ VARIANTS = {
     "rows": (("grouped_gemm_kernel",), lambda own: [replace(own, TMA=True, A_TMA=True), *ROW_TMA_STEP_VARIANTS],
              None),
     "tails": (("grouped_gemm_kernel",), lambda own: [replace(own, SHORT_TAILS=n) for n in range(4)], None),
+    # the step's own config with a block table (its cost alone), then WS_STEP_VARIANTS
+    "ws": (("grouped_gemm_kernel",), lambda own: [replace(own, BLOCK_TABLE=True), *WS_STEP_VARIANTS], None),
     "decode": (("decode_gate_up_kernel", "decode_down_combine_kernel"), lambda own: [own, *DECODE_STEP_VARIANTS],
                None),
 }
@@ -596,7 +605,10 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
         if "fwd" in envs:  # for the gate/up variants that read x in sorted order
             envs["fwd"].setdefault("x_sorted", training["x_sorted"])
         for which in envs:
-            def measure(label, step, env=envs[which], plan=None):
+            def measure(label, step, env=envs[which], plan=None, tables=()):
+                written = [t for t in tables if t.outputs[0].name in step.inputs]
+                for table in written:  # a block table the variant's plan writes for this step: made first
+                    launcher(table, env)()
                 ms = do_bench(launcher(step, env), warmup=5, rep=40)
                 flops = _step_flops(step, routed)
                 c = step.constants
@@ -605,12 +617,15 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
                        "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC", c.get("DESC")),
                                   c.get("WARP_SPECIALIZE"), c.get("SHORT_TAILS"), c.get("A_DESC"),
-                                  c.get("PROGRAMS"), c.get("JB")]}
+                                  c.get("PROGRAMS"), c.get("JB"), c.get("BLOCK_TABLE")]}
                 gathers = [g for g in (plan.steps if plan else ()) if g.kernel == "gather_rows_kernel"
                            and g.outputs[0].name == step.inputs[0]]
                 if gathers:  # a gather this plan adds for this step alone: its time is the step's too
                     out["gather_ms"] = round(do_bench(launcher(gathers[0], env), warmup=5, rep=40), 4)
                     out["ms"] = round(ms + out["gather_ms"], 4)
+                if written:  # and so is the time of writing its block table
+                    out["table_ms"] = round(sum(do_bench(launcher(t, env), warmup=5, rep=40) for t in written), 4)
+                    out["ms"] = round(out["ms"] + out["table_ms"], 4)
                 return out
 
             plan, labelled = _labelled_steps(problem, which)
@@ -633,7 +648,8 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
                         plan, labelled_now = _labelled_steps(problem, which)
                         step = dict(labelled_now)[label]
                         try:
-                            out.append(m(label, step, plan=plan if which == "fwd" else None))
+                            out.append(m(label, step, plan=plan if which == "fwd" else None,
+                                         tables=[t for t in plan.steps if t.kernel == "route_blocks_kernel"]))
                         except Exception as err:
                             out.append({"config": list(v.__dict__.values()), "error": str(err)[:200]})
                     plans.OVERRIDES.clear()
@@ -660,7 +676,7 @@ STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("d
              "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H),
              "decode_gate_up": lambda H, I: ("decode", I, H), "decode_down": lambda H, I: ("decode", H, I)}
 CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS",
-                 "A_TMA", "PROGRAMS", "EXPERTS_TOGETHER")
+                 "A_TMA", "PROGRAMS", "EXPERTS_TOGETHER", "BLOCK_TABLE")
 
 
 MERGE_MARGIN = 0.05  # a variant replaces the step's own config only when this much faster (run-to-run noise)
@@ -695,7 +711,7 @@ def merge_step_variants(result_files, table_path: Path) -> list[dict]:
             continue
         config = dict(zip(CONFIG_FIELDS, t["config"]))
         config = {f: v for f, v in config.items() if v is not None}
-        for flag in ("TMA", "A_TMA"):
+        for flag in ("TMA", "A_TMA", "BLOCK_TABLE"):
             if flag in config:
                 config[flag] = bool(config[flag])
         written.append({"kernel": kernel, "N": N, "K": K, "E": E, "slots": slots, "config": config, "ms": t["ms"],

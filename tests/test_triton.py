@@ -21,7 +21,7 @@ import torch
 import triton_interpreter  # noqa: F401  (patches the interpreter's bfloat16 dot and cast)
 from moe_jax.backends import triton as jax_triton_backend
 from moe_shared import relative_l2
-from moe_shared.kernels import plan as plans
+from moe_shared.kernels import moe, plan as plans
 from moe_torch.backends import triton as torch_triton_backend
 from support import CASES, DIFF_ARGS, SPEC, case_id, random_case
 from test_jax import to_jax
@@ -286,6 +286,48 @@ def test_persistent_programs_give_the_same_bits(programs):
     persistent, steps = _grouped_gemm_runs(arrays, grad_output, plans.TileConfig(**tiles, PROGRAMS=programs))
     assert [(s.grid, s.constants["PROGRAMS"]) for s in steps] == [(programs, programs)] * 4
     _assert_same_bits(persistent, plain)
+
+
+@pytest.mark.parametrize("programs", [0, 3])
+def test_block_tables_give_the_same_bits(programs):
+    """BLOCK_TABLE reads each row block's expert, first row, row count and start from a table written by a step
+    before the first GEMM of that tile height (forward and backward each write their own): the same tiles as
+    computing them in the GEMM, so the same bits, with one program per tile and persistent programs."""
+    arrays, grad_output = _skewed_case()
+    tiles = dict(BM=64, BN=16, BK=16, GROUP_M=2, SHORT_TAILS=2, PROGRAMS=programs)
+    plain, _ = _grouped_gemm_runs(arrays, grad_output, plans.TileConfig(**tiles))
+    tabled, gemms = _grouped_gemm_runs(arrays, grad_output, plans.TileConfig(**tiles, BLOCK_TABLE=True))
+    assert [(s.constants["BLOCK_TABLE"], s.inputs[4]) for s in gemms] == [(True, "blocks64")] * 4
+    _assert_same_bits(tabled, plain)
+    if programs:  # the JAX binding allocates and passes the table as its own plan buffer: torch's bits
+        shapes = (("gate_up", 16, 32), ("down", 32, 16), ("dgrad_down", 16, 32), ("dgrad_up", 32, 32))
+        try:
+            for kernel, N, K in shapes:
+                plans.OVERRIDES[kernel, N, K, 5] = plans.TileConfig(**tiles, BLOCK_TABLE=True)
+            plans.clear_caches()
+            _assert_same_bits([jax_run(arrays, "bfloat16", grad_output)], [tabled[0]])
+        finally:
+            plans.OVERRIDES.clear()
+            plans.clear_caches()
+
+
+def test_block_table_holds_each_row_blocks_expert_rows_and_start():
+    """route_blocks_kernel against the arithmetic of the expert-aligned layout: blocks of BM rows per expert in
+    expert order (idle experts take none), E or more past the last block, and the number of real blocks last."""
+    counts = np.array([70, 0, 17, 128, 1], np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    E, BM = len(counts), 64
+    row_blocks = plans._row_blocks(int(counts.sum()), E, BM)
+    step = plans._block_table(plans.Step("grouped_gemm_kernel", 1, ("a", "b", "counts", "starts", "blocks64"), (),
+                                         dict(E=E, EB=plans._expert_bins(E), BM=BM, ROW_BLOCKS=row_blocks), 4, 3))
+    table = torch.zeros(row_blocks * 4 + 1, dtype=torch.int32)
+    moe.route_blocks_kernel[(step.grid,)](torch.from_numpy(counts), torch.from_numpy(starts), table,
+                                          **step.constants)
+    want = [(e, r, int(counts[e]), int(starts[e])) for e in range(E) for r in range(0, int(counts[e]), BM)]
+    fields = table[:-1].view(row_blocks, 4).tolist()
+    assert [tuple(f) for f in fields[:len(want)]] == want and table[-1].item() == len(want) == 6
+    assert all(f[0] >= E for f in fields[len(want):])
+    assert step.grid == -(-row_blocks // plans._TABLE_BLOCKS) and step.inputs == ("counts", "starts")
 
 
 def test_short_tails_keep_tiles_of_at_least_16_rows():

@@ -134,6 +134,47 @@ def test_compiled_for_the_h200_the_descriptor_steps_need_scratch_and_no_other(tm
     assert all(f["elf"] and f["pairs"] == f["declared"] for f in found)
 
 
+_WARP_SPECIALIZE_SCRIPT = """
+import json, sys
+from dataclasses import replace
+from moe_jax import triton_call
+from moe_shared.kernels import moe, plan as plans
+fields = json.loads(sys.argv[1])
+problem = plans.Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+ws = plans.TileConfig(BM=128, BN=64, BK=64, num_warps=4, num_stages=3, GROUP_M=8, TMA=True, A_TMA=True,
+                      WARP_SPECIALIZE=True, BLOCK_TABLE=True)
+found = []
+for table in (True, False):
+    plans.OVERRIDES.clear()
+    for key in (("gate_up", problem.I, problem.H, problem.E), ("down", problem.H, problem.I, problem.E)):
+        plans.OVERRIDES[key] = replace(ws, BLOCK_TABLE=table)
+    plans.clear_caches()
+    for step in plans.forward_plan(problem).steps:
+        if step.kernel != "grouped_gemm_kernel":
+            continue
+        types = tuple(triton_call.argument_type(a) if isinstance(a, int) else
+                      "*i32" if a in ("counts", "starts", "order") or a.startswith("blocks") else "*bf16"
+                      for a in step.inputs) + ("*bf16",) * len(step.outputs)
+        try:
+            c = triton_call.compile_kernel(moe.grouped_gemm_kernel, types, tuple(sorted(step.constants.items())),
+                                           step.num_warps, step.num_stages, 90)
+            found.append(dict(table=table, a_desc=step.constants["A_DESC"], specialized="setmaxnreg" in c.ptx))
+        except Exception as err:
+            found.append(dict(table=table, a_desc=step.constants["A_DESC"], error=str(err)[:80]))
+print(json.dumps(found))
+"""
+
+
+def test_compiled_for_the_h200_block_tables_let_triton_warp_specialize_the_gemms(tmp_path):
+    """Compiled for compute capability 9.0: with a block table and both operands through descriptors, triton's
+    Hopper pass splits both forward GEMMs into loading and multiplying warps (its register split, setmaxnreg, in
+    the PTX); computing the blocks in the kernel instead (a reduction over the experts before the loop), it fails."""
+    found = _outside_the_interpreter(tmp_path, _WARP_SPECIALIZE_SCRIPT, json.dumps(QWEN3_T4096.__dict__))
+    assert [f.get("specialized") for f in found if f["table"]] == [True, True]
+    assert all(f["a_desc"] for f in found)
+    assert [("PassManager" in f.get("error", "")) for f in found if not f["table"]] == [True, True]
+
+
 class _Recorder:
     """Stands in for jaxlib's Triton launcher module: records what the custom call would carry."""
 

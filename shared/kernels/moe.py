@@ -146,11 +146,48 @@ def _locate_block(counts_ptr, starts_ptr, b, E: tl.constexpr, EB: tl.constexpr, 
     return e, (b - first) * BM, count, start
 
 
+BLOCK_FIELDS = tl.constexpr(4)  # a block table's int32 fields per row block: expert, first row, row count, start
+
+
+@triton.jit
+def route_blocks_kernel(counts_ptr, starts_ptr, blocks_ptr,
+                        E: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                        BB: tl.constexpr):
+    """The block table of the expert-aligned layout with BM-row blocks: for row block b < ROW_BLOCKS the fields
+    ``_locate_block`` computes (expert E past the last block) at blocks[4b .. 4b + 3], and at blocks[4 ROW_BLOCKS]
+    the number of real row blocks (past the last block the expert is E or more, as there). A GEMM that reads it (``BLOCK_TABLE``) does no reduction over the experts before
+    its K loop (triton's Hopper warp specialization fails on one). One program per BB row blocks."""
+    b = tl.program_id(0) * BB + tl.arange(0, BB)
+    bins = tl.arange(0, EB)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    blocks = (counts + BM - 1) // BM
+    ends = tl.cumsum(blocks, 0)
+    e = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), 1)
+    first = tl.gather(ends - blocks, tl.minimum(e, EB - 1), 0)
+    count = tl.gather(counts, tl.minimum(e, EB - 1), 0)
+    start = tl.load(starts_ptr + tl.minimum(e, E))
+    live = b < ROW_BLOCKS
+    row = blocks_ptr + b * BLOCK_FIELDS
+    tl.store(row, e, mask=live)
+    tl.store(row + 1, (b - first) * BM, mask=live)
+    tl.store(row + 2, count, mask=live)
+    tl.store(row + 3, start, mask=live)
+    if tl.program_id(0) == 0:
+        tl.store(blocks_ptr + ROW_BLOCKS * BLOCK_FIELDS, tl.sum(blocks, 0))
+
+
+@triton.jit
+def _table_block(blocks_ptr, b):
+    """``_locate_block``'s fields of row block b read from a block table (``route_blocks_kernel``)."""
+    row = blocks_ptr + b * BLOCK_FIELDS
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+
+
 # --- grouped GEMM over sorted rows (forward projections and the input gradients) ---------------------------------
 
 @triton.jit
 def grouped_gemm_kernel(
-    a_ptr, b_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
+    a_ptr, b_ptr, counts_ptr, starts_ptr, blocks_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
     c_ptr, aux_ptr,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
     stride_am: tl.constexpr, stride_be: tl.constexpr, stride_bk: tl.constexpr, stride_bn: tl.constexpr,
@@ -161,7 +198,7 @@ def grouped_gemm_kernel(
     EVEN_K: tl.constexpr = False, GROUP_M: tl.constexpr = 1, ROW_BLOCKS: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_ROWS: tl.constexpr = 0, B_COLS: tl.constexpr = 0,
     WARP_SPECIALIZE: tl.constexpr = False, SHORT_TAILS: tl.constexpr = 0, A_DESC: tl.constexpr = False,
-    PROGRAMS: tl.constexpr = 0,
+    PROGRAMS: tl.constexpr = 0, BLOCK_TABLE: tl.constexpr = False,
 ):
     """C[row] = A[row] @ B[e] for each sorted row of expert e, B[e] read as a [K, N] view through its strides.
 
@@ -182,31 +219,37 @@ def grouped_gemm_kernel(
     outputs are never stored; past the array it reads zeros. ``WARP_SPECIALIZE`` asks triton to split the K loop
     into loading and multiplying warps. ``SHORT_TAILS`` = L lets an expert's last block run a shorter tile, BM >> l
     rows for the smallest l <= L that holds its rows, so its padding rows cost no multiplies (an expert with 130
-    rows takes a 128-row tile and a 16-row one with L = 3, not two 128-row tiles).
+    rows takes a 128-row tile and a 16-row one with L = 3, not two 128-row tiles). ``BLOCK_TABLE`` reads each row
+    block's expert, rows and start from the table ``blocks`` (``route_blocks_kernel`` with this BM and ROW_BLOCKS)
+    instead of computing them from the expert counts; the same tiles, the same bits.
     """
     pid = tl.program_id(0)
     if PROGRAMS == 0:
         _grouped_gemm_block_tile(
-            pid, ROW_BLOCKS, a_ptr, b_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
-            c_ptr, aux_ptr, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm,
-            GATE_OFFSET, A_BY_TOKEN, HAS_BIAS, EPILOGUE, ACTIVATION, STORE_PREACT, C_BY_SLOT, ACCUMULATE, BM, BN, BK,
-            EB, DOT_PRECISION, EVEN_K, GROUP_M, B_DESC, B_ROWS, B_COLS, WARP_SPECIALIZE, SHORT_TAILS, A_DESC)
+            pid, ROW_BLOCKS, a_ptr, b_ptr, counts_ptr, starts_ptr, blocks_ptr, order_ptr, scale_ptr, bias_ptr,
+            preact_ptr, S, c_ptr, aux_ptr, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e,
+            stride_cm, GATE_OFFSET, A_BY_TOKEN, HAS_BIAS, EPILOGUE, ACTIVATION, STORE_PREACT, C_BY_SLOT, ACCUMULATE,
+            BM, BN, BK, EB, DOT_PRECISION, EVEN_K, GROUP_M, B_DESC, B_ROWS, B_COLS, WARP_SPECIALIZE, SHORT_TAILS,
+            A_DESC, BLOCK_TABLE)
     else:
-        bins = tl.arange(0, EB)
-        counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-        blocks = tl.sum((counts + BM - 1) // BM, 0)
+        if BLOCK_TABLE:
+            blocks = tl.load(blocks_ptr + ROW_BLOCKS * BLOCK_FIELDS)
+        else:
+            bins = tl.arange(0, EB)
+            counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+            blocks = tl.sum((counts + BM - 1) // BM, 0)
         for tile in range(pid, blocks * ((N + BN - 1) // BN), PROGRAMS):
             _grouped_gemm_block_tile(
-                tile, blocks, a_ptr, b_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
-                c_ptr, aux_ptr, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e,
-                stride_cm, GATE_OFFSET, A_BY_TOKEN, HAS_BIAS, EPILOGUE, ACTIVATION, STORE_PREACT, C_BY_SLOT,
-                ACCUMULATE, BM, BN, BK, EB, DOT_PRECISION, EVEN_K, GROUP_M, B_DESC, B_ROWS, B_COLS, WARP_SPECIALIZE,
-                SHORT_TAILS, A_DESC)
+                tile, blocks, a_ptr, b_ptr, counts_ptr, starts_ptr, blocks_ptr, order_ptr, scale_ptr, bias_ptr,
+                preact_ptr, S, c_ptr, aux_ptr, E, N, K, TOP_K, stride_am, stride_be, stride_bk, stride_bn,
+                stride_bias_e, stride_cm, GATE_OFFSET, A_BY_TOKEN, HAS_BIAS, EPILOGUE, ACTIVATION, STORE_PREACT,
+                C_BY_SLOT, ACCUMULATE, BM, BN, BK, EB, DOT_PRECISION, EVEN_K, GROUP_M, B_DESC, B_ROWS, B_COLS,
+                WARP_SPECIALIZE, SHORT_TAILS, A_DESC, BLOCK_TABLE)
 
 
 @triton.jit
 def _grouped_gemm_block_tile(
-    tile, row_blocks, a_ptr, b_ptr, counts_ptr, starts_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
+    tile, row_blocks, a_ptr, b_ptr, counts_ptr, starts_ptr, blocks_ptr, order_ptr, scale_ptr, bias_ptr, preact_ptr, S,
     c_ptr, aux_ptr,
     E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
     stride_am: tl.constexpr, stride_be: tl.constexpr, stride_bk: tl.constexpr, stride_bn: tl.constexpr,
@@ -215,7 +258,7 @@ def _grouped_gemm_block_tile(
     ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, C_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, B_DESC: tl.constexpr, B_ROWS: tl.constexpr, B_COLS: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, SHORT_TAILS: tl.constexpr, A_DESC: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, SHORT_TAILS: tl.constexpr, A_DESC: tl.constexpr, BLOCK_TABLE: tl.constexpr,
 ):
     """Output tile number ``tile`` of ``grouped_gemm_kernel`` over ``row_blocks`` row blocks (a bound: blocks past
     the last expert's do nothing)."""
@@ -226,7 +269,10 @@ def _grouped_gemm_block_tile(
     group_size = tl.minimum(row_blocks - first_block, GROUP_M)
     block = first_block + (tile % per_group) % group_size
     n_tile = (tile % per_group) // group_size
-    e, row0, count, start = _locate_block(counts_ptr, starts_ptr, block, E, EB, BM)
+    if BLOCK_TABLE:
+        e, row0, count, start = _table_block(blocks_ptr, block)
+    else:
+        e, row0, count, start = _locate_block(counts_ptr, starts_ptr, block, E, EB, BM)
     rows_left = count - row0
     for level in tl.static_range(SHORT_TAILS + 1):
         # tile height BM >> level takes rows_left in (BM >> (level + 1), BM >> level]; the last level from 1 row,

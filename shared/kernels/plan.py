@@ -97,6 +97,8 @@ class TileConfig:
     A_TMA: bool = False  # grouped GEMMs: the row tiles through tensor descriptors too (the gate/up GEMM then reads
     # x gathered into sorted order by a step before it)
     PROGRAMS: int = 0  # grouped GEMMs: persistent programs looping over the output tiles (0: one program per tile)
+    BLOCK_TABLE: bool = False  # grouped GEMMs: each row block's expert and rows read from a table a step before
+    # writes (no reduction over the experts ahead of the K loop, which triton's Hopper warp specialization needs)
     EXPERTS_TOGETHER: int = 0  # decode down kernel: the slots' experts whose weight tiles load as one block (0: all k)
 
 
@@ -301,9 +303,10 @@ def _gemm(problem: Problem, kernel: str, *, a: str, b: str, N: int, K: int, b_st
         DOT_PRECISION=_dot_precision(problem), EVEN_K=K % cfg.BK == 0, GROUP_M=cfg.GROUP_M,
         ROW_BLOCKS=_row_blocks(problem.S, E, cfg.BM), WARP_SPECIALIZE=cfg.WARP_SPECIALIZE,
         SHORT_TAILS=_short_tails(cfg), A_DESC=_a_descriptor(problem, cfg, stride_am, a_by_token),
-        PROGRAMS=cfg.PROGRAMS, **_b_descriptor(problem, cfg, b_strides, K))
+        PROGRAMS=cfg.PROGRAMS, BLOCK_TABLE=cfg.BLOCK_TABLE, **_b_descriptor(problem, cfg, b_strides, K))
+    blocks = f"blocks{cfg.BM}" if cfg.BLOCK_TABLE else "counts"  # unread without a table
     return Step("grouped_gemm_kernel", cfg.PROGRAMS or _row_blocks(problem.S, E, cfg.BM) * _cdiv(N, cfg.BN),
-                (a, b, "counts", "starts", "order", "w", bias_name, preact_in, problem.S),
+                (a, b, "counts", "starts", blocks, "order", "w", bias_name, preact_in, problem.S),
                 (out, preact_out or _UNUSED), constants, cfg.num_warps, cfg.num_stages,
                 zeroed=(0,) if accumulate else ())
 
@@ -346,7 +349,31 @@ def _combine(problem: Problem, y: str, out: Buffer, weighted: bool) -> Step:
                 num_stages=1)
 
 
+_TABLE_BLOCKS = 64  # row blocks per program of route_blocks_kernel
+
+
+def _block_table(gemm: Step) -> Step:
+    """The route_blocks_kernel step that writes the block table a BLOCK_TABLE grouped GEMM reads."""
+    c = gemm.constants
+    return Step("route_blocks_kernel", max(1, _cdiv(c["ROW_BLOCKS"], _TABLE_BLOCKS)), ("counts", "starts"),
+                (Buffer(gemm.inputs[4], (c["ROW_BLOCKS"] * 4 + 1,), INT32),),
+                dict(E=c["E"], EB=c["EB"], BM=c["BM"], ROW_BLOCKS=c["ROW_BLOCKS"], BB=_TABLE_BLOCKS), num_warps=4,
+                num_stages=1)
+
+
+def _with_block_tables(steps: list[Step]) -> list[Step]:
+    """``steps`` with each block table written right before the first grouped GEMM that reads it."""
+    out, made = [], set()
+    for step in steps:
+        if step.kernel == "grouped_gemm_kernel" and step.constants["BLOCK_TABLE"] and step.inputs[4] not in made:
+            made.add(step.inputs[4])
+            out.append(_block_table(step))
+        out.append(step)
+    return out
+
+
 def _finish(steps: list[Step], output: str, residuals: tuple[str, ...] = ()) -> Plan:
+    steps = _with_block_tables(steps)
     buffers = {b.name: b for s in steps for b in s.outputs}
     return Plan(tuple(steps), output, residuals, buffers)
 
