@@ -296,6 +296,33 @@ def test_compiled_batched_mm_runs_the_slot_products_op(fake, monkeypatch):
     assert_close("out", inference.float().numpy(), reference.experts_forward(**arrays), "bfloat16")
 
 
+@pytest.mark.parametrize("fused_up_to, ops", [(12, 0), (11, 2)])
+def test_compiled_batched_mm_leaves_a_few_slots_to_the_compiler(fake, monkeypatch, fused_up_to, ops):
+    """Under torch.compile, at most COMPILED_FUSED_SLOTS slots (here 12: T=6, k=2) take the gathered weights' batched
+    matmul, which inductor fuses with the gather, instead of the slot_products op; one slot more and both projections
+    are the op again. Either way within the tolerance table of the reference."""
+    from moe_shared import reference
+    from support import random_case
+
+    monkeypatch.setattr(batched_mm, "COMPILED_FUSED_SLOTS", {"cpu": fused_up_to})
+    arrays, _ = random_case(23, T=6, H=32, I=16, E=5, k=2, bias=False)
+    tensors = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).bfloat16()
+               for n, a in arrays.items()}
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(str(gm.graph))
+        return torch._inductor.compile(gm, example_inputs)
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="batched_mm"), fullgraph=True,
+                       backend=backend)
+    with torch.no_grad():
+        out = fn(**tensors)
+    assert traced[0].count("moe_torch.slot_products") == ops and len(fake.calls) == ops
+    assert_close("out", out.float().numpy(), reference.experts_forward(**arrays), "bfloat16")
+
+
 def test_slot_products_op_gathers_where_addresses_do_not_suit_cublas(fake):
     """The op the compiled graph calls checks the addresses it is given: x two bytes off 16 takes the gathered
     products (the same values, no cuBLAS call); aligned, cuBLAS, on a pointer array it does not keep."""

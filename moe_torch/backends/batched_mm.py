@@ -2,9 +2,11 @@
 
 Fast for a handful of tokens (no sort, no host sync in the forward). On CUDA nothing is gathered: one cuBLAS batched
 GEMM per projection whose batch entries point at each slot's expert weights where they lie (``moe_torch.slot_blas``,
-where its dtypes and alignment hold; compiled, the opaque op ``moe_torch::slot_products``). On the CPU, uncompiled,
-nothing is gathered either: each slot takes one matmul on its expert's weights in place (IN_PLACE_DEVICES; in bfloat16
-every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled on the CPU, and elsewhere, the
+where its dtypes and alignment hold; compiled, the opaque op ``moe_torch::slot_products``, or at up to
+COMPILED_FUSED_SLOTS slots the gathered weights' batched matmul, which inductor fuses with the gather). On the CPU,
+uncompiled, nothing is gathered either: each slot takes one matmul on its expert's weights in place
+(IN_PLACE_DEVICES; in bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled
+on the CPU, and elsewhere, the
 weights are gathered (T*k copies of an expert's) and run through torch.bmm; on the CPU in chunks whose gathered weights
 stay in cache (a few MB each, never one huge buffer). Training keeps no gathered weights: the backward sums each
 expert's weight gradient as one matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient;
@@ -32,6 +34,13 @@ MAX_CHUNKS = 64
 # the weights costs as much as the matmuls (qwen3-cpu forward: 6.1 against 19.2 ms at T=4, 90 against 294 at T=64)
 IN_PLACE_DEVICES = ("cpu",)
 SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient as a grouped matmul (see _SlotLinear)
+# under torch.compile, up to this many slots take the gathered weights' batched matmul, which inductor fuses with the
+# gather (no copy) into one kernel a projection, instead of slot_blas's opaque op (a pointer kernel and a cuBLAS call
+# a projection). On the H100, qwen3-30b-a3b T=1 forward compiled max-autotune, slot_blas's graph took 0.037 ms on the
+# device against 0.030 for transformers' fused kernels, and replayed with more host time (0.151-0.176 against
+# 0.109-0.131 ms; bench/results/nvidia-h100-80gb-hbm3/2026-12-07-profile-compiled-decode-alternating-*.json); at
+# T=4 (32 slots) slot_blas's compiled forward took 1.06x transformers', at T=16 0.96x
+COMPILED_FUSED_SLOTS = {"cuda": 32}
 
 
 def _chunks(slots: int, table: torch.Tensor) -> list[slice] | None:
@@ -48,6 +57,13 @@ def _in_place(table: torch.Tensor) -> bool:
     return table.device.type in IN_PLACE_DEVICES and not torch.compiler.is_compiling()
 
 
+def _on_slot_blas(x: torch.Tensor, table: torch.Tensor, slots: int) -> bool:
+    """Whether ``slots`` per-slot products of ``x`` on ``table`` run on slot_blas (see COMPILED_FUSED_SLOTS)."""
+    if torch.compiler.is_compiling() and slots <= COMPILED_FUSED_SLOTS.get(x.device.type, 0):
+        return False
+    return slot_blas.applies(x, table)
+
+
 def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transpose: bool = False,
                    order: torch.Tensor | None = None):
     """out[s] = table[ids[s]] @ x[s] ([E, N, K], [S, K] -> [S, N]); ``transpose``: table[ids[s]].T @ x[s].
@@ -60,7 +76,7 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
             torch.mm(x[s:s + 1], table[e] if transpose else table[e].T, out=out[s:s + 1])
         return out
     matrices = table.transpose(1, 2) if transpose else table
-    if slot_blas.applies(x, matrices):
+    if _on_slot_blas(x, matrices, x.shape[0]):
         return slot_blas.products(x, matrices, ids, order=order)
     chunks = _chunks(x.shape[0], table)
     if chunks is None:  # one gather, one bmm, no slicing: the fewest ops per call (decode is host-bound)
@@ -127,7 +143,7 @@ def _entry_order(ids: torch.Tensor, x: torch.Tensor, table: torch.Tensor,
                  known: torch.Tensor | None = None) -> torch.Tensor | None:
     """The slots in expert order for slot_blas's batch entries where its products run and order them
     (``slot_blas.ordered``), else None; ``known``: a stable sort's order of ``ids`` made already."""
-    if not slot_blas.applies(x, table):
+    if not _on_slot_blas(x, table, ids.shape[0]):
         return None
     if known is None:
         return slot_blas.expert_order(ids, table.shape[0])
@@ -183,7 +199,7 @@ def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: 
     products the differentiated path computes)."""
     if _in_place(table) and expert_rows.applies(x, table):
         return _rows_on_kernel(x, table, ids, slots_per_row=k)
-    if slot_blas.applies(x, table):  # each slot's row read from x: the products of the per-slot path, no copy of x
+    if _on_slot_blas(x, table, T * k):  # each slot's row read from x: the products of the per-slot path, no copy of x
         return slot_blas.products(x, table, ids, rows_per_x=k, order=order)
     if not per_slot and not _in_place(table) and _chunks(T * k, table) is None:
         N, K = table.shape[1:]
