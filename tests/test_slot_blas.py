@@ -257,6 +257,19 @@ def _experts_of(matrices: list[int], table: torch.Tensor) -> list[int]:
     return [(address - table.data_ptr()) // (table.stride(0) * table.element_size()) for address in matrices]
 
 
+def _compiled_batched_mm():
+    """batched_mm compiled (fullgraph, inductor) after a dynamo reset, and the list its traced graphs go to."""
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(str(gm.graph))
+        return torch._inductor.compile(gm, example_inputs)
+
+    torch._dynamo.reset()
+    return torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="batched_mm"), fullgraph=True,
+                         backend=backend), traced
+
+
 def test_compiled_batched_mm_runs_the_slot_products_op(fake, monkeypatch):
     """Under torch.compile (fullgraph) both projections' products are the opaque op moe_torch::slot_products, which
     reaches cuBLAS (here the stand-in) when the compiled graph runs: forward and gradients within the tolerance
@@ -270,15 +283,7 @@ def test_compiled_batched_mm_runs_the_slot_products_op(fake, monkeypatch):
     arrays, dy = random_case(23, T=6, H=32, I=16, E=5, k=2, bias=False)
     tensors = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).bfloat16().requires_grad_()
                for n, a in arrays.items()}
-    traced = []
-
-    def backend(gm, example_inputs):
-        traced.append(str(gm.graph))
-        return torch._inductor.compile(gm, example_inputs)
-
-    torch._dynamo.reset()
-    fn = torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="batched_mm"), fullgraph=True,
-                       backend="inductor")
+    fn, _ = _compiled_batched_mm()
     out = fn(**tensors)
     forward_calls = len(fake.calls)
     assert forward_calls == 2 and all(call["batch"] == 12 for call in fake.calls)
@@ -288,9 +293,7 @@ def test_compiled_batched_mm_runs_the_slot_products_op(fake, monkeypatch):
     for name in expected:
         assert_close(f"grad_{name}", tensors[name].grad.float(), expected[name], "bfloat16")
     with torch.no_grad():
-        torch._dynamo.reset()
-        gm_backend = torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="batched_mm"),
-                                   fullgraph=True, backend=backend)
+        gm_backend, traced = _compiled_batched_mm()
         inference = gm_backend(**{n: t.detach() if n != "top_k_index" else t for n, t in tensors.items()})
     assert traced and traced[0].count("moe_torch.slot_products") == 2
     assert_close("out", inference.float().numpy(), reference.experts_forward(**arrays), "bfloat16")
@@ -308,15 +311,7 @@ def test_compiled_batched_mm_leaves_a_few_slots_to_the_compiler(fake, monkeypatc
     arrays, _ = random_case(23, T=6, H=32, I=16, E=5, k=2, bias=False)
     tensors = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).bfloat16()
                for n, a in arrays.items()}
-    traced = []
-
-    def backend(gm, example_inputs):
-        traced.append(str(gm.graph))
-        return torch._inductor.compile(gm, example_inputs)
-
-    torch._dynamo.reset()
-    fn = torch.compile(lambda **kw: moe_torch.experts_forward(**kw, implementation="batched_mm"), fullgraph=True,
-                       backend=backend)
+    fn, traced = _compiled_batched_mm()
     with torch.no_grad():
         out = fn(**tensors)
     assert traced[0].count("moe_torch.slot_products") == ops and len(fake.calls) == ops
