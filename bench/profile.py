@@ -127,8 +127,8 @@ def frame_ms(runner: TorchRunner, backend: str, n_sets: int, calls: int) -> floa
 def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, calls: int,
                   compile_mode: str | None = None) -> dict:
     """``cudagraph_skips``: in a CUDA-graph compile mode on CUDA, the compiled graphs inductor ran without CUDA
-    graphs (``TorchRunner.cudagraph_skips``), else None. ``frame_ms``: for a compiled forward, ``frame_ms``'s
-    share of ``host_ms``, else None."""
+    graphs (``TorchRunner.cudagraph_skips``), else None. ``frame_ms``: for a compiled forward, dynamo's part of
+    ``host_ms`` (``frame_ms`` above), else None."""
     call = runner.build(backend, mode, compile_mode)
     skips = runner.cudagraph_skips() if compile_mode in CUDA_GRAPH_MODES else None
     for i in range(2 * n_sets):  # warm-up (allocator, caches, lazy imports)

@@ -350,13 +350,14 @@ def _combine(problem: Problem, y: str, out: Buffer, weighted: bool) -> Step:
 
 
 _TABLE_BLOCKS = 64  # row blocks per program of route_blocks_kernel
+_BLOCK_FIELDS = 4  # moe.BLOCK_FIELDS: a block table's int32 fields per row block
 
 
 def _block_table(gemm: Step) -> Step:
     """The route_blocks_kernel step that writes the block table a BLOCK_TABLE grouped GEMM reads."""
     c = gemm.constants
     return Step("route_blocks_kernel", max(1, _cdiv(c["ROW_BLOCKS"], _TABLE_BLOCKS)), ("counts", "starts"),
-                (Buffer(gemm.inputs[4], (c["ROW_BLOCKS"] * 4 + 1,), INT32),),
+                (Buffer(gemm.inputs[4], (c["ROW_BLOCKS"] * _BLOCK_FIELDS + 1,), INT32),),
                 dict(E=c["E"], EB=c["EB"], BM=c["BM"], ROW_BLOCKS=c["ROW_BLOCKS"], BB=_TABLE_BLOCKS), num_warps=4,
                 num_stages=1)
 
