@@ -303,12 +303,16 @@ def test_compiled_batched_mm_runs_the_slot_products_op(fake, monkeypatch):
 def test_compiled_batched_mm_leaves_a_few_slots_to_the_compiler(fake, monkeypatch, fused_up_to, ops):
     """Under torch.compile, at most COMPILED_FUSED_SLOTS slots (here 12: T=6, k=2) take the gathered weights' batched
     matmul, which inductor fuses with the gather, instead of the slot_products op; one slot more and both projections
-    are the op again. Either way within the tolerance table of the reference."""
+    are the op again. Either way within the tolerance table of the reference, and so is training (compiled the
+    same way, its backward the sorted grouped matmuls of either)."""
     from moe_shared import reference
+    from moe_torch.backends import grouped_mm as grouped_mm_backend
     from support import random_case
 
     monkeypatch.setattr(batched_mm, "COMPILED_FUSED_SLOTS", {"cpu": fused_up_to})
-    arrays, _ = random_case(23, T=6, H=32, I=16, E=5, k=2, bias=False)
+    monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
+    monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
+    arrays, dy = random_case(23, T=6, H=32, I=16, E=5, k=2, bias=False)
     tensors = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).bfloat16()
                for n, a in arrays.items()}
     fn, traced = _compiled_batched_mm()
@@ -316,6 +320,11 @@ def test_compiled_batched_mm_leaves_a_few_slots_to_the_compiler(fake, monkeypatc
         out = fn(**tensors)
     assert traced[0].count("moe_torch.slot_products") == ops and len(fake.calls) == ops
     assert_close("out", out.float().numpy(), reference.experts_forward(**arrays), "bfloat16")
+    leaves = {n: t if n == "top_k_index" else t.clone().requires_grad_() for n, t in tensors.items()}
+    train, _ = _compiled_batched_mm()
+    train(**leaves).backward(torch.from_numpy(dy).bfloat16())
+    for name, want in reference.experts_backward(**arrays, grad_output=dy).items():
+        assert_close(f"grad_{name}", leaves[name].grad.float(), want, "bfloat16")
 
 
 def test_slot_products_op_gathers_where_addresses_do_not_suit_cublas(fake):
