@@ -13,9 +13,9 @@ reported per call: its count, its own host time, and on CUDA its kernels' device
 call; ``graphs``: CUDA graph launches); then the same calls under cProfile (``python``: the functions with the most
 own host time per call, where the time goes that no op names: wrappers, guards, CUDA-graph bookkeeping); for a
 compiled forward, ``frame_ms``: the host time per call of the same trace with its graph's work left out (dynamo's
-guard check and frame alone). The table
-prints the top ``--top`` entries of each by device time (host time on CPU); ``--out`` writes them all as JSON.
-Compare a backend with its transformers peer on the same inputs to see which ops make a difference.
+guard check and frame alone). The table prints the top ``--top`` entries of each by device time (host time on
+CPU); ``--out`` writes them all as JSON. Compare a backend with its transformers peer on the same inputs to see
+which ops make a difference.
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ def render(point: dict, top: int) -> str:
         lines.append(f"  {r['device_ms']:9.4f} dev ms  {r['host_ms']:9.4f} host ms  {r['count']:6.1f}x  {r['op'][:90]}")
     lines.append("  Python, own host time per call:")
     for f in point.get("python", ())[:top]:
-        lines.append(f"  {f['own_ms']:9.4f} own ms  {f['cum_ms']:9.4f} cum ms  {f['count']:6.1f}x  {f['function'][:90]}")
+        lines.append(f"  {f['own_ms']:9.4f} own ms  {f['cum_ms']:9.4f} cum ms  {f['count']:6.1f}x  "
+                     f"{f['function'][:90]}")
     return "\n".join(lines)
 
 

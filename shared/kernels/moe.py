@@ -154,9 +154,10 @@ def route_blocks_kernel(counts_ptr, starts_ptr, blocks_ptr,
                         E: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                         BB: tl.constexpr):
     """The block table of the expert-aligned layout with BM-row blocks: for row block b < ROW_BLOCKS the fields
-    ``_locate_block`` computes (expert E past the last block) at blocks[4b .. 4b + 3], and at blocks[4 ROW_BLOCKS]
-    the number of real row blocks (past the last block the expert is E or more, as there). A GEMM that reads it (``BLOCK_TABLE``) does no reduction over the experts before
-    its K loop (triton's Hopper warp specialization fails on one). One program per BB row blocks."""
+    ``_locate_block`` computes at blocks[4b .. 4b + 3] (past the last block the expert is E or more, as there), and
+    at blocks[4 ROW_BLOCKS] the number of real row blocks. A GEMM that reads it (``BLOCK_TABLE``) does no reduction
+    over the experts before its K loop (triton's Hopper warp specialization fails on one). The same arithmetic as
+    ``_locate_block``, for BB row blocks a program at once."""
     b = tl.program_id(0) * BB + tl.arange(0, BB)
     bins = tl.arange(0, EB)
     counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
