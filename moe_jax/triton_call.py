@@ -18,7 +18,9 @@ ptxas made for moe_torch, is registered once and named in a call by a small inte
 parameter list (operands, results, integers, null pointers) as attributes. jaxlib's launcher looks its kernel up
 by hashing the call's whole opaque string (the compressed PTX) at every launch, and assembles the PTX with XLA's
 own ptxas; ``launch_jaxlib`` keeps that route, for comparison. The ids are this process's: a program lowered here
-runs here.
+runs here. The handler is registered twice: as ``moe_triton_launch``, launched at every call, and as
+``moe_triton_launch_graphed``, marked command-buffer compatible, which XLA (``--xla_gpu_enable_command_buffer``
+with CUSTOM_CALL, its default) may trace into a CUDA graph together with the neighbouring fusions and replay.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "triton_kernel_call"  # jaxlib's custom-call target for Triton kernels (legacy API, version 2)
-LAUNCH_TARGET = "moe_triton_launch"  # this package's (XLA FFI, triton_launch.cc)
+LAUNCH_TARGET = "moe_triton_launch"  # this package's (XLA FFI, triton_launch.cc), launched at every call
+GRAPHED_LAUNCH_TARGET = "moe_triton_launch_graphed"  # the same handler, which XLA may trace into command buffers
 LAUNCH_SOURCE = Path(__file__).with_name("triton_launch.cc")
 POINTER_DIVISIBILITY = 16  # bytes: every array argument is specialised as 16-byte aligned (XLA's buffers are)
 HIDDEN_PARAMETERS = 2  # pointers triton (3.5 on) appends to a kernel's parameters: global scratch, profile scratch
@@ -179,7 +182,11 @@ def _launcher_library() -> ctypes.CDLL:
     library.moe_triton_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int32,
                                             ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
     library.moe_triton_driver_error.restype = ctypes.c_char_p
-    jax.ffi.register_ffi_target(LAUNCH_TARGET, jax.ffi.pycapsule(library.moe_triton_launch), platform="CUDA")
+    from jaxlib import xla_client
+    handler = jax.ffi.pycapsule(library.moe_triton_launch)
+    jax.ffi.register_ffi_target(LAUNCH_TARGET, handler, platform="CUDA")
+    jax.ffi.register_ffi_target(GRAPHED_LAUNCH_TARGET, handler, platform="CUDA",
+                                traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
     return library
 
 
@@ -219,14 +226,17 @@ def launch_parameters(args: list, types: tuple, out_count: int, zeroed: tuple[in
 
 
 def launch(kernel, grid: int, args: list, out_shapes: list, constants: dict, *, num_warps: int,
-           num_stages: int, zeroed: tuple[int, ...] = ()) -> list:
+           num_stages: int, zeroed: tuple[int, ...] = (), target: str = LAUNCH_TARGET) -> list:
     """Run ``kernel`` over a 1-D ``grid`` on ``args`` (arrays and integers, in its parameter order) with the
     outputs ``out_shapes`` (``jax.ShapeDtypeStruct``, following the arguments) and ``constants`` (constexpr
-    keywords); the outputs in ``zeroed`` start as zeros. One ``moe_triton_launch`` call. Returns the output
+    keywords); the outputs in ``zeroed`` start as zeros. One call of ``target`` (``LAUNCH_TARGET``, or
+    ``GRAPHED_LAUNCH_TARGET`` to let XLA capture it into a CUDA graph with its neighbours). Returns the output
     arrays."""
     types, compiled, _ = _compiled(kernel, args, out_shapes, constants, num_warps, num_stages)
     parameters = launch_parameters(args, types, len(out_shapes), zeroed, bool(compiled.scratch_bytes))
-    outputs = jax.ffi.ffi_call(LAUNCH_TARGET, _results(out_shapes, compiled, grid))(
+    if target not in (LAUNCH_TARGET, GRAPHED_LAUNCH_TARGET):
+        raise ValueError(f"target: expected {LAUNCH_TARGET!r} or {GRAPHED_LAUNCH_TARGET!r}, got {target!r}")
+    outputs = jax.ffi.ffi_call(target, _results(out_shapes, compiled, grid))(
         *[a for a in args if not isinstance(a, int)], kernel=np.int64(kernel_id(compiled, num_warps)),
         grid=np.int64(grid), parameters=np.asarray(parameters, np.int64))
     return list(outputs[:len(out_shapes)])

@@ -3,8 +3,10 @@
 // (moe_triton_register: name, cubin, warps, shared memory -> a small integer id); a call carries the id, the grid
 // and its parameter list as attributes, so nothing is parsed or hashed per launch. Each kernel's module is loaded
 // into a device's context at its first launch there (the context XLA has current, else the stream's), with the
-// dynamic shared memory limit raised as triton's own launcher does. The CUDA driver is opened with dlopen and its entry points taken from
-// cuGetProcAddress: no CUDA toolkit is needed to build this file (cuda.h is triton's copy).
+// dynamic shared memory limit raised as triton's own launcher does. A call launches the same work for the same
+// attributes (the memsets it asks for and one kernel), so XLA may trace it into a command buffer (a CUDA graph);
+// the module load alone steps out of the capture's rules. The CUDA driver is opened with dlopen and its entry
+// points taken from cuGetProcAddress: no CUDA toolkit is needed to build this file (cuda.h is triton's copy).
 #include <dlfcn.h>
 
 #include <atomic>
@@ -53,6 +55,7 @@ struct Driver {
   CUresult (*func_set_attribute)(CUfunction, CUfunction_attribute, int) = nullptr;
   CUresult (*func_set_cache_config)(CUfunction, CUfunc_cache) = nullptr;
   CUresult (*memset_d8_async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
+  CUresult (*exchange_capture_mode)(CUstreamCaptureMode*) = nullptr;
   CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                             void**, void**) = nullptr;
   std::string error;  // why the driver cannot be used (empty: it can)
@@ -94,6 +97,7 @@ const Driver& OpenDriver() {
         Entry("cuFuncSetAttribute", &d.func_set_attribute),
         Entry("cuFuncSetCacheConfig", &d.func_set_cache_config),
         Entry("cuMemsetD8Async", &d.memset_d8_async),
+        Entry("cuThreadExchangeStreamCaptureMode", &d.exchange_capture_mode),
         Entry("cuLaunchKernel", &d.launch_kernel),
     };
     for (const auto& [symbol, slot] : entries) {
@@ -153,6 +157,16 @@ CUfunction Function(const Driver& driver, Kernel& kernel, int32_t device, CUstre
       driver.ctx_pop_current(&popped);
     }
   } pop_on_exit{driver};
+  // XLA may trace this call into a command buffer (a CUDA graph), its thread capturing in thread-local mode, which
+  // forbids loading a module: relaxed mode for the load, the thread's own mode back after it.
+  CUstreamCaptureMode capture_mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+  if ((result = driver.exchange_capture_mode(&capture_mode)) != CUDA_SUCCESS)
+    return fail("cuThreadExchangeStreamCaptureMode", result);
+  struct RestoreCaptureMode {
+    const Driver& driver;
+    CUstreamCaptureMode mode;
+    ~RestoreCaptureMode() { driver.exchange_capture_mode(&mode); }
+  } restore_capture_mode{driver, capture_mode};
   CUmodule module = nullptr;
   if ((result = driver.module_load_data(&module, kernel.cubin.data())) != CUDA_SUCCESS)
     return fail("cuModuleLoadData", result);

@@ -1054,14 +1054,16 @@ def own_launcher(results, points=OWN_LAUNCH_POINTS, modes=("fwd", "fwd+bwd")):
     import jax.numpy as jnp
     from moe_jax import triton_call
     from moe_jax.backends import triton as jax_backend
-    launchers = {"moe": jax_backend.XLA_LAUNCHER, "jaxlib": jax_backend.JAXLIB_LAUNCHER}
+    launchers = {"moe": jax_backend.XLA_LAUNCHER, "graphed": jax_backend.GRAPHED_LAUNCHER,
+                 "jaxlib": jax_backend.JAXLIB_LAUNCHER}
 
     def run(shape, T, mode):
         outputs = {}
         for name, launcher in launchers.items():
             with jax_backend.use_launcher(launcher):
                 outputs[name] = _jax_results(shape, T, mode)
-        detail = {"bit_identical": [bool(np.array_equal(a, b)) for a, b in zip(outputs["moe"], outputs["jaxlib"])]}
+        detail = {"bit_identical": [bool(np.array_equal(a, b)) for name in launchers if name != "moe"
+                                    for a, b in zip(outputs["moe"], outputs[name])]}
         if not all(detail["bit_identical"]):
             raise AssertionError(f"the launchers disagree: {detail}")
         rounds = {}
@@ -1098,6 +1100,68 @@ def own_launcher(results, points=OWN_LAUNCH_POINTS, modes=("fwd", "fwd+bwd")):
         raise AssertionError("an unknown kernel id was launched")
 
     record(results, "own-launcher", "an unknown kernel id is refused", unknown_id)
+
+
+GRAPHED_POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64), ("mixtral-8x7b", 1), ("qwen3-30b-a3b", 4096))
+
+
+def graphed_replays(results, points=GRAPHED_POINTS, modes=("fwd", "fwd+bwd"), rounds=4):
+    """``GRAPHED_LAUNCHER`` (calls XLA may trace into CUDA graphs) against ``XLA_LAUNCHER``, each one compiled
+    executable: three input sets (other tokens, experts, routing weights and output gradients) called in turn for
+    ``rounds`` rounds, each set also as fresh copies (new buffer addresses). Every output must have the bits of
+    the direct launcher's for its set: a replayed or re-traced graph never hands back a stale result."""
+    import jax
+    import jax.numpy as jnp
+    import moe_jax
+    from moe_jax.backends import triton as jax_backend
+
+    def program(mode):  # new functions each time: jax.jit's trace cache would hand back the other launcher's
+        def forward(x, idx, w, gate_up, down):
+            return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+
+        def forward_backward(x, idx, w, gate_up, down, g):
+            out, vjp = jax.vjp(lambda x, w, gate_up, down: forward(x, idx, w, gate_up, down), x, w, gate_up, down)
+            return out, vjp(g)
+
+        return forward if mode == "fwd" else forward_backward
+
+    def other_set(arrays, shift, E):
+        x, idx, w, gate_up, down, dout = arrays
+        return [jnp.roll(x, shift, axis=0) * 0.5, (idx + shift) % E, jnp.flip(w, axis=1), gate_up, down, -dout]
+
+    def run(shape, T, mode):
+        base = _jax_point(shape, T)
+        sets = [base] + [other_set(base, shift, SHAPES[shape][2]) for shift in (1, 2)]
+        count = 5 if mode == "fwd" else 6
+        executables = {}
+        for name, launcher in (("direct", jax_backend.XLA_LAUNCHER), ("graphed", jax_backend.GRAPHED_LAUNCHER)):
+            with jax_backend.use_launcher(launcher):
+                lowered = jax.jit(program(mode)).lower(*sets[0][:count])
+            targets = {t: lowered.as_text().count(f"@{t}(") for t in ("moe_triton_launch", "moe_triton_launch_graphed")}
+            if (targets["moe_triton_launch_graphed"] > 0) != (name == "graphed"):
+                raise AssertionError(f"the {name} program's custom calls: {targets}")
+            executables[name] = lowered.compile()
+
+        def outputs(executable, arrays):
+            return [np.asarray(a.astype(jnp.float32)) for a in jax.tree.leaves(executable(*arrays[:count]))]
+
+        expected = [outputs(executables["direct"], arrays) for arrays in sets]
+        calls, mismatches = 0, []
+        for round_ in range(rounds):
+            for i, arrays in enumerate(sets):
+                for fresh in (False, True):
+                    given = [jnp.array(a, copy=True) for a in arrays] if fresh else arrays
+                    got = outputs(executables["graphed"], given)
+                    calls += 1
+                    same = [bool(np.array_equal(a, b)) for a, b in zip(got, expected[i])]
+                    if not all(same):
+                        mismatches.append({"round": round_, "set": i, "fresh": fresh, "same": same})
+        if mismatches or any(np.array_equal(expected[0][0], e[0]) for e in expected[1:]):
+            raise AssertionError(f"graphed calls differ from direct ones (or the sets do not differ): {mismatches}")
+        return {"calls": calls, "outputs_per_call": len(expected[0]), "all_bit_identical": True}
+
+    for (shape, T), mode in itertools.product(points, modes):
+        record(results, "graphed", f"{shape} T={T} {mode}", lambda shape=shape, T=T, mode=mode: run(shape, T, mode))
 
 
 # --- JAX training at large token counts -------------------------------------------------------------------------
@@ -1373,6 +1437,7 @@ PARTS = {
     "jax-profile": lambda results, args: jax_profile_calls(results),
     "launchers": lambda results, args: launcher_timings(results),
     "framework-kernels": lambda results, args: framework_kernels(results),
+    "graphed": lambda results, args: graphed_replays(results),
     "own-launcher": lambda results, args: own_launcher(
         results, *((_step_points(args.launcher_points),) if args.launcher_points else ())),
     "host": lambda results, args: host_profile(results),
@@ -1452,7 +1517,7 @@ def main():
             for name, v in list(d["kernels"].items())[:8]:
                 print("   ", v["ms_per_call"], v["launches_per_call"], name[:90])
         elif r["kind"] in ("cuda-graph", "jax-grouped-mm", "kernels-ran", "tune-warm", "jax-large-training",
-                           "descriptors", "direct-launch"):
+                           "descriptors", "direct-launch", "graphed"):
             print("OK", r["kind"], r["name"], str(r["detail"])[:300])
         elif r["kind"] == "decode-threshold":
             print(r["detail"]["decode_max_slots"])
@@ -1471,6 +1536,10 @@ def main():
                       "kernels", v["kernels_ms"])
                 for name, k in list(v["kernels"].items())[:6]:
                     print("       ", k["ms_per_call"], k["launches_per_call"], name[:80])
+        elif r["kind"] == "own-launcher" and "moe" in r["detail"]:
+            d = r["detail"]
+            print(r["name"], {name: (d[name]["executable"]["call_ms_median"], d[name]["executable"]["stream_ms"])
+                              for name in d if name in ("moe", "graphed", "jaxlib", "torch")})
         elif r["kind"] in ("jax-profile", "launchers", "framework-kernels"):
             print(r["kind"], r["name"], r["detail"])
         elif r["kind"] == "short-tails":

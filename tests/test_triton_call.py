@@ -303,6 +303,52 @@ def test_launch_names_the_registered_kernel_grid_and_parameters(monkeypatch):
     assert triton_call.kernel_id(compiled, 4) == kernel != triton_call.kernel_id(again, 4)
 
 
+def test_a_graphed_launch_is_the_same_call_to_the_graphed_target(monkeypatch):
+    monkeypatch.setattr(triton_call, "compute_capability", lambda device=None: 90)
+    compiled = triton_call.Compiled("grouped_gemm_kernel", "// ptx", 0, 0, 1, cubin=b"\x7fELF stand-in")
+    monkeypatch.setattr(triton_call, "compile_kernel", lambda *a: compiled)
+    x = jnp.zeros((6, 4), jnp.bfloat16)
+    outs = [jax.ShapeDtypeStruct((6, 4), jnp.float32)]
+
+    def lowered(target):
+        return _lowered_for_cuda(lambda x: triton_call.launch(moe.grouped_gemm_kernel, 5, [x], outs, {}, num_warps=4,
+                                                              num_stages=3, target=target), x)
+
+    direct, graphed = lowered(triton_call.LAUNCH_TARGET), lowered(triton_call.GRAPHED_LAUNCH_TARGET)
+    assert "@moe_triton_launch(" in direct and "@moe_triton_launch_graphed(" in graphed
+    assert graphed.replace("@moe_triton_launch_graphed(", "@moe_triton_launch(") == direct
+    with pytest.raises(ValueError, match=r"target: expected 'moe_triton_launch' or 'moe_triton_launch_graphed', "
+                                         r"got 'triton_kernel_call'"):
+        lowered(triton_call.TARGET)
+
+
+def test_the_graphed_target_alone_is_registered_command_buffer_compatible(monkeypatch):
+    from jaxlib import xla_client
+    registered = {}
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, handler, platform, **options: registered.update({name: (platform, options)}))
+    triton_call._launcher_library.cache_clear()
+    try:
+        triton_call._launcher_library()
+    finally:
+        triton_call._launcher_library.cache_clear()
+    compatible = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+    assert registered == {triton_call.LAUNCH_TARGET: ("CUDA", {}),
+                          triton_call.GRAPHED_LAUNCH_TARGET: ("CUDA", {"traits": compatible})}
+
+
+def test_the_graphed_launcher_launches_through_the_graphed_target(monkeypatch):
+    from moe_jax.backends import triton as backend
+    from moe_shared.kernels import plan as plans
+    targets = []
+    monkeypatch.setattr(triton_call, "launch", lambda *a, target, **k: targets.append(target) or [])
+    step = plans.Step("grouped_gemm_kernel", 3, (), (), {}, num_warps=4, num_stages=3)
+    for launcher in (backend.XLA_LAUNCHER, backend.GRAPHED_LAUNCHER):
+        launcher.launch(moe.grouped_gemm_kernel, step, [], [])
+    assert targets == [triton_call.LAUNCH_TARGET, triton_call.GRAPHED_LAUNCH_TARGET]
+    assert backend.GRAPHED_LAUNCHER.tensor_descriptors
+
+
 def test_registrations_get_ids_in_order_and_bad_ones_an_error():
     import ctypes
     library = triton_call._launcher_library()

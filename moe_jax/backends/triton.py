@@ -34,10 +34,11 @@ class Launcher:
     tensor_descriptors: bool = False
 
 
-def _xla_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
+def _xla_launch(kernel, step: plans.Step, args: list, out_shapes: list, graphed: bool = False) -> list:
     from moe_jax import triton_call
+    target = triton_call.GRAPHED_LAUNCH_TARGET if graphed else triton_call.LAUNCH_TARGET
     return triton_call.launch(kernel, step.grid, args, out_shapes, dict(step.constants), num_warps=step.num_warps,
-                              num_stages=step.num_stages, zeroed=step.zeroed)
+                              num_stages=step.num_stages, zeroed=step.zeroed, target=target)
 
 
 def _jaxlib_launch(kernel, step: plans.Step, args: list, out_shapes: list) -> list:
@@ -52,6 +53,10 @@ runs, registered once, named by an id), the kernels given their global scratch. 
 gives them a null pointer there: a kernel building a tensor descriptor faults,
 tests/device_results/nvidia-h200-triton-descriptors.json, and the pointer loads it leaves cost up to 12%,
 mixtral-8x7b T=4096 forward, tests/device_results/nvidia-h100-triton-launchers.json.)"""
+
+GRAPHED_LAUNCHER = Launcher(partial(_xla_launch, graphed=True), tensor_descriptors=True)
+"""``XLA_LAUNCHER``'s calls marked command-buffer compatible: XLA may trace them, with the fusions around them,
+into a CUDA graph it replays while the buffers' addresses repeat (fewer host launches at decode)."""
 
 JAXLIB_LAUNCHER = Launcher(_jaxlib_launch, tensor_descriptors=True)
 """Each step a custom call into jaxlib's Triton launcher (``moe_jax.triton_call.launch_jaxlib``), with the same
