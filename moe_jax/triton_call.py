@@ -182,12 +182,19 @@ def _launcher_library() -> ctypes.CDLL:
     library.moe_triton_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int32,
                                             ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
     library.moe_triton_driver_error.restype = ctypes.c_char_p
+    library.moe_triton_captured_launches.restype = ctypes.c_int64
     from jaxlib import xla_client
     handler = jax.ffi.pycapsule(library.moe_triton_launch)
     jax.ffi.register_ffi_target(LAUNCH_TARGET, handler, platform="CUDA")
     jax.ffi.register_ffi_target(GRAPHED_LAUNCH_TARGET, handler, platform="CUDA",
                                 traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
     return library
+
+
+def captured_launches() -> int:
+    """How many of this process's ``moe_triton_launch_graphed`` launches were recorded into a CUDA graph (XLA
+    tracing a command buffer it then replays) instead of being sent to the GPU."""
+    return _launcher_library().moe_triton_captured_launches()
 
 
 @lru_cache(maxsize=None)

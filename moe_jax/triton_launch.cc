@@ -56,6 +56,7 @@ struct Driver {
   CUresult (*func_set_cache_config)(CUfunction, CUfunc_cache) = nullptr;
   CUresult (*memset_d8_async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
   CUresult (*exchange_capture_mode)(CUstreamCaptureMode*) = nullptr;
+  CUresult (*stream_is_capturing)(CUstream, CUstreamCaptureStatus*) = nullptr;
   CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                             void**, void**) = nullptr;
   std::string error;  // why the driver cannot be used (empty: it can)
@@ -98,6 +99,7 @@ const Driver& OpenDriver() {
         Entry("cuFuncSetCacheConfig", &d.func_set_cache_config),
         Entry("cuMemsetD8Async", &d.memset_d8_async),
         Entry("cuThreadExchangeStreamCaptureMode", &d.exchange_capture_mode),
+        Entry("cuStreamIsCapturing", &d.stream_is_capturing),
         Entry("cuLaunchKernel", &d.launch_kernel),
     };
     for (const auto& [symbol, slot] : entries) {
@@ -123,6 +125,7 @@ struct Kernel {
 
 std::atomic<Kernel*> kernels[kMaxKernels] = {};
 std::atomic<int64_t> kernel_count{0};
+std::atomic<int64_t> captured_launches{0};  // launches recorded into a CUDA graph (XLA's command buffers)
 std::mutex registry_mutex;  // registrations and module loads
 
 std::string Describe(const Driver& driver, CUresult result, const char* what, const Kernel& kernel) {
@@ -253,6 +256,9 @@ ffi::Error Launch(CUstream stream, int32_t device, ffi::RemainingArgs args, ffi:
   CUresult result = driver.launch_kernel(function, static_cast<unsigned>(grid), 1, 1, kernel.threads, 1, 1,
                                          kernel.shared, stream, pointers, nullptr);
   if (result != CUDA_SUCCESS) return ffi::Error::Internal(Describe(driver, result, "cuLaunchKernel", kernel));
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (driver.stream_is_capturing(stream, &capture) == CUDA_SUCCESS && capture == CU_STREAM_CAPTURE_STATUS_ACTIVE)
+    captured_launches.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -279,6 +285,9 @@ extern "C" int64_t moe_triton_register(const char* name, const char* cubin, size
   kernel_count.store(id + 1, std::memory_order_release);
   return id;
 }
+
+// How many launches went into a CUDA graph being captured (XLA tracing a command buffer) rather than to the GPU.
+extern "C" int64_t moe_triton_captured_launches() { return captured_launches.load(std::memory_order_relaxed); }
 
 // Why the CUDA driver cannot be used here (an empty string: it can).
 extern "C" const char* moe_triton_driver_error() { return OpenDriver().error.c_str(); }

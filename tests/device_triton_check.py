@@ -1113,6 +1113,7 @@ def graphed_replays(results, points=GRAPHED_POINTS, modes=("fwd", "fwd+bwd"), ro
     import jax
     import jax.numpy as jnp
     import moe_jax
+    from moe_jax import triton_call
     from moe_jax.backends import triton as jax_backend
 
     def program(mode):  # new functions each time: jax.jit's trace cache would hand back the other launcher's
@@ -1145,7 +1146,10 @@ def graphed_replays(results, points=GRAPHED_POINTS, modes=("fwd", "fwd+bwd"), ro
         def outputs(executable, arrays):
             return [np.asarray(a.astype(jnp.float32)) for a in jax.tree.leaves(executable(*arrays[:count]))]
 
+        before = triton_call.captured_launches()
         expected = [outputs(executables["direct"], arrays) for arrays in sets]
+        if triton_call.captured_launches() != before:
+            raise AssertionError("the direct launcher's calls were captured into a CUDA graph")
         calls, mismatches = 0, []
         for round_ in range(rounds):
             for i, arrays in enumerate(sets):
@@ -1156,9 +1160,14 @@ def graphed_replays(results, points=GRAPHED_POINTS, modes=("fwd", "fwd+bwd"), ro
                     same = [bool(np.array_equal(a, b)) for a, b in zip(got, expected[i])]
                     if not all(same):
                         mismatches.append({"round": round_, "set": i, "fresh": fresh, "same": same})
+        captured = triton_call.captured_launches() - before
         if mismatches or any(np.array_equal(expected[0][0], e[0]) for e in expected[1:]):
             raise AssertionError(f"graphed calls differ from direct ones (or the sets do not differ): {mismatches}")
-        return {"calls": calls, "outputs_per_call": len(expected[0]), "all_bit_identical": True}
+        if not captured:
+            raise AssertionError("no graphed launch was captured into a CUDA graph (XLA_FLAGS: "
+                                 f"{os.environ.get('XLA_FLAGS', '')!r})")
+        return {"calls": calls, "outputs_per_call": len(expected[0]), "all_bit_identical": True,
+                "launches_captured": captured, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
     for (shape, T), mode in itertools.product(points, modes):
         record(results, "graphed", f"{shape} T={T} {mode}", lambda shape=shape, T=T, mode=mode: run(shape, T, mode))

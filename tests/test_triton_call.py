@@ -353,6 +353,7 @@ def test_registrations_get_ids_in_order_and_bad_ones_an_error():
     import ctypes
     library = triton_call._launcher_library()
     error = ctypes.create_string_buffer(256)
+    assert triton_call.captured_launches() == 0  # nothing launched on this CPU
     first = library.moe_triton_register(b"k", b"\x7fELF", 4, 4, 0, error, len(error))
     assert first >= 0
     assert library.moe_triton_register(b"k", b"\x7fELF", 4, 8, 70000, error, len(error)) == first + 1
