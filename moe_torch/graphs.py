@@ -43,6 +43,9 @@ TRAINING_VARIABLE = "MOE_TORCH_TRAINING_GRAPHS"
 TRAINING_DEVICES = ("cuda",)
 MAX_GRAPHS = 256
 FOREACH_COPIES = True  # a call's inputs into a graph's buffers as one multi-tensor copy per dtype
+# The capture's rules bind the capturing thread only: in torch's default ("global") a CUDA call another thread of the
+# process makes meanwhile (XLA's, where JAX runs alongside) is refused and invalidates the capture.
+CAPTURE_ERROR_MODE = "thread_local"
 _SETTINGS = ("auto", "off")
 
 
@@ -195,7 +198,7 @@ def _capture(call, inputs) -> _Graph | None:
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=_pool(device)):
+            with torch.cuda.graph(graph, pool=_pool(device), capture_error_mode=CAPTURE_ERROR_MODE):
                 output = call(*buffers)
         except RuntimeError as err:  # e.g. a host sync in a path the spec did not foresee: run the call plainly
             warnings.warn(f"moe_torch: the decode graph of this call could not be captured, it runs without one "

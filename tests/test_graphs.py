@@ -220,3 +220,30 @@ def test_the_least_recently_used_graph_goes_first_and_release_drops_them_all(fak
     assert [key[0][2][0][0][0] for key in graphs._GRAPHS] == [1, 3]  # hidden_states' T in each signature
     graphs.release()
     assert graphs.count() == 0
+
+
+def test_a_capture_binds_only_its_own_thread_to_the_capture_rules(monkeypatch):
+    """torch's default capture mode ("global") makes other threads' CUDA calls fail and the capture with them
+    (seen on an H100 with JAX in the process); the capture asks for "thread_local"."""
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    seen = {}
+
+    def graph(cuda_graph, pool=None, **options):
+        seen.update(options, graph=cuda_graph, pool=pool)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "a graph")
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(graphs, "_pool", lambda device: "the pool")
+    entry = graphs._capture(lambda x: x * 2, (torch.ones(3),))
+    assert seen == {"graph": "a graph", "pool": "the pool", "capture_error_mode": "thread_local"}
+    assert torch.equal(entry.output, torch.full((3,), 2.0)) and entry.graph == "a graph"
