@@ -192,8 +192,8 @@ def _launcher_library() -> ctypes.CDLL:
 
 
 def captured_launches() -> int:
-    """How many of this process's ``moe_triton_launch_graphed`` launches were recorded into a CUDA graph (XLA
-    tracing a command buffer it then replays) instead of being sent to the GPU."""
+    """How many of this process's launches through ``triton_launch.cc`` were recorded into a CUDA graph being
+    captured (XLA tracing a command buffer it then replays) instead of being sent to the GPU."""
     return _launcher_library().moe_triton_captured_launches()
 
 
