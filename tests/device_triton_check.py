@@ -1028,9 +1028,8 @@ OWN_LAUNCH_POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 8), ("qwen3-30b-a3b
 
 
 def _jax_results(shape, T, mode) -> list:
-    """The JAX call's output (and for fwd+bwd its gradients) as float32 numpy arrays, under the current launcher."""
+    """The JAX call's output (and for fwd+bwd its gradients) as bits on the host, under the current launcher."""
     import jax
-    import jax.numpy as jnp
     import moe_jax
     x, idx, w, gate_up, down, dout = _jax_point(shape, T)
 
@@ -1042,7 +1041,15 @@ def _jax_results(shape, T, mode) -> list:
     else:
         out, vjp = jax.vjp(forward, x, w, gate_up, down)
         arrays = [out, *vjp(dout)]
-    return [np.asarray(a.astype(jnp.float32)) for a in arrays]
+    return [_host_bits(a) for a in arrays]
+
+
+def _host_bits(array) -> np.ndarray:
+    """A JAX array's bits on the host, as unsigned integers: no program of its own runs on the device (a float32
+    copy of deepseek-v3's weight gradients did not fit on an 80 GiB card)."""
+    import jax
+    host = np.asarray(jax.device_get(array))
+    return host.view(f"u{host.dtype.itemsize}")
 
 
 def own_launcher(results, points=OWN_LAUNCH_POINTS, modes=("fwd", "fwd+bwd")):
@@ -1144,7 +1151,7 @@ def graphed_replays(results, points=GRAPHED_POINTS, modes=("fwd", "fwd+bwd"), ro
             executables[name] = lowered.compile()
 
         def outputs(executable, arrays):
-            return [np.asarray(a.astype(jnp.float32)) for a in jax.tree.leaves(executable(*arrays[:count]))]
+            return [_host_bits(a) for a in jax.tree.leaves(executable(*arrays[:count]))]
 
         before = triton_call.captured_launches()
         expected = [outputs(executables["direct"], arrays) for arrays in sets]
