@@ -257,12 +257,16 @@ def _experts_of(matrices: list[int], table: torch.Tensor) -> list[int]:
     return [(address - table.data_ptr()) // (table.stride(0) * table.element_size()) for address in matrices]
 
 
-def _compiled_batched_mm():
-    """batched_mm compiled (fullgraph, inductor) after a dynamo reset, and the list its traced graphs go to."""
+def _compiled_batched_mm(bmm_shapes: list | None = None):
+    """batched_mm compiled (fullgraph, inductor) after a dynamo reset, and the list its traced graphs go to; the
+    shapes of each torch.bmm's operands go to ``bmm_shapes``."""
     traced = []
 
     def backend(gm, example_inputs):
         traced.append(str(gm.graph))
+        if bmm_shapes is not None:
+            bmm_shapes.extend(tuple(tuple(a.meta["example_value"].shape) for a in node.args[:2])
+                              for node in gm.graph.nodes if node.target is torch.bmm)
         return torch._inductor.compile(gm, example_inputs)
 
     torch._dynamo.reset()
@@ -315,10 +319,13 @@ def test_compiled_batched_mm_leaves_a_few_slots_to_the_compiler(fake, monkeypatc
     arrays, dy = random_case(23, T=6, H=32, I=16, E=5, k=2, bias=False)
     tensors = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).bfloat16()
                for n, a in arrays.items()}
-    fn, traced = _compiled_batched_mm()
+    bmm_shapes = []
+    fn, traced = _compiled_batched_mm(bmm_shapes)
     with torch.no_grad():
         out = fn(**tensors)
     assert traced[0].count("moe_torch.slot_products") == ops and len(fake.calls) == ops
+    if not ops:  # one GEMV per slot on its expert's weights, both projections (transformers' form)
+        assert bmm_shapes == [((12, 32, 32), (12, 32, 1)), ((12, 32, 16), (12, 16, 1))]
     assert_close("out", out.float().numpy(), reference.experts_forward(**arrays), "bfloat16")
     leaves = {n: t if n == "top_k_index" else t.clone().requires_grad_() for n, t in tensors.items()}
     train, _ = _compiled_batched_mm()

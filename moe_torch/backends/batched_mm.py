@@ -196,12 +196,13 @@ def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: 
     """table[ids[s]] @ x[s // k] for every slot s, not differentiated. On the CPU row kernel: each slot's row read
     from x (no copy per slot; the same products either way). On one chunk and without ``per_slot``: each token's k
     gathered matrices as one [k*N, K] matrix times the token's row (no copy of x per slot); else a row per slot (the
-    products the differentiated path computes)."""
+    products the differentiated path computes), which compiled is also the inference form: one GEMV per slot,
+    each reading its expert's weights, the form inductor fuses with the gather (as in transformers' batched_mm)."""
     if _in_place(table) and expert_rows.applies(x, table):
         return _rows_on_kernel(x, table, ids, slots_per_row=k)
     if _on_slot_blas(x, table, T * k):  # each slot's row read from x: the products of the per-slot path, no copy of x
         return slot_blas.products(x, table, ids, rows_per_x=k, order=order)
-    if not per_slot and not _in_place(table) and _chunks(T * k, table) is None:
+    if not per_slot and not _in_place(table) and _chunks(T * k, table) is None and not torch.compiler.is_compiling():
         N, K = table.shape[1:]
         return torch.bmm(table[ids].reshape(T, k * N, K), x.unsqueeze(2)).view(T * k, N)
     return _slot_products(_per_slot(x, T, k), table, ids, order=order)
