@@ -2,6 +2,7 @@
 
     python tests/device_triton_check.py --out DIR --parts vectors,graphs
     python tests/device_triton_check.py --out DIR --parts tune --configs-out /tmp/moe-configs
+    XLA_FLAGS=--xla_gpu_graph_min_graph_size=2 python tests/device_triton_check.py --out DIR --parts graphed
 
 ``vectors``: every shared vector through ``triton`` in torch and JAX, forward and every gradient, within the
 tolerance table; torch and JAX outputs and gradients bit-identical; two runs bit-identical (split over worker
@@ -1116,7 +1117,9 @@ def graphed_replays(results, points=GRAPHED_POINTS, modes=("fwd", "fwd+bwd"), ro
     """``GRAPHED_LAUNCHER`` (calls XLA may trace into CUDA graphs) against ``XLA_LAUNCHER``, each one compiled
     executable: three input sets (other tokens, experts, routing weights and output gradients) called in turn for
     ``rounds`` rounds, each set also as fresh copies (new buffer addresses). Every output must have the bits of
-    the direct launcher's for its set: a replayed or re-traced graph never hands back a stale result."""
+    the direct launcher's for its set: a replayed or re-traced graph never hands back a stale result. Run it with
+    ``XLA_FLAGS=--xla_gpu_graph_min_graph_size=2``: at XLA's default (5) the decode programs (2 to 4 launches) form
+    no graph, and the part fails saying that nothing was captured."""
     import jax
     import jax.numpy as jnp
     import moe_jax
