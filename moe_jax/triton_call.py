@@ -18,9 +18,10 @@ ptxas made for moe_torch, is registered once and named in a call by a small inte
 parameter list (operands, results, integers, null pointers) as attributes. jaxlib's launcher looks its kernel up
 by hashing the call's whole opaque string (the compressed PTX) at every launch, and assembles the PTX with XLA's
 own ptxas; ``launch_jaxlib`` keeps that route, for comparison. The ids are this process's: a program lowered here
-runs here. The handler is registered twice: as ``moe_triton_launch``, launched at every call, and as
-``moe_triton_launch_graphed``, marked command-buffer compatible, which XLA (``--xla_gpu_enable_command_buffer``
-with CUSTOM_CALL, its default) may trace into a CUDA graph together with the neighbouring fusions and replay.
+runs here. The launch is registered twice: as ``moe_triton_launch``, launched at every call, and as
+``moe_triton_launch_graphed`` (which also counts its launches captured into graphs), marked command-buffer
+compatible, which XLA (``--xla_gpu_enable_command_buffer`` with CUSTOM_CALL, its default) may trace into a CUDA
+graph together with the neighbouring fusions and replay.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import numpy as np
 
 TARGET = "triton_kernel_call"  # jaxlib's custom-call target for Triton kernels (legacy API, version 2)
 LAUNCH_TARGET = "moe_triton_launch"  # this package's (XLA FFI, triton_launch.cc), launched at every call
-GRAPHED_LAUNCH_TARGET = "moe_triton_launch_graphed"  # the same handler, which XLA may trace into command buffers
+GRAPHED_LAUNCH_TARGET = "moe_triton_launch_graphed"  # the same launch, which XLA may trace into command buffers
 LAUNCH_SOURCE = Path(__file__).with_name("triton_launch.cc")
 POINTER_DIVISIBILITY = 16  # bytes: every array argument is specialised as 16-byte aligned (XLA's buffers are)
 HIDDEN_PARAMETERS = 2  # pointers triton (3.5 on) appends to a kernel's parameters: global scratch, profile scratch
@@ -184,15 +185,14 @@ def _launcher_library() -> ctypes.CDLL:
     library.moe_triton_driver_error.restype = ctypes.c_char_p
     library.moe_triton_captured_launches.restype = ctypes.c_int64
     from jaxlib import xla_client
-    handler = jax.ffi.pycapsule(library.moe_triton_launch)
-    jax.ffi.register_ffi_target(LAUNCH_TARGET, handler, platform="CUDA")
-    jax.ffi.register_ffi_target(GRAPHED_LAUNCH_TARGET, handler, platform="CUDA",
-                                traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
+    jax.ffi.register_ffi_target(LAUNCH_TARGET, jax.ffi.pycapsule(library.moe_triton_launch), platform="CUDA")
+    jax.ffi.register_ffi_target(GRAPHED_LAUNCH_TARGET, jax.ffi.pycapsule(library.moe_triton_launch_graphed),
+                                platform="CUDA", traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
     return library
 
 
 def captured_launches() -> int:
-    """How many of this process's launches through ``triton_launch.cc`` were recorded into a CUDA graph being
+    """How many of this process's ``moe_triton_launch_graphed`` launches were recorded into a CUDA graph being
     captured (XLA tracing a command buffer it then replays) instead of being sent to the GPU."""
     return _launcher_library().moe_triton_captured_launches()
 

@@ -196,6 +196,9 @@ CUfunction Function(const Driver& driver, Kernel& kernel, int32_t device, CUstre
 
 ffi::Error Invalid(const std::string& message) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, message); }
 
+// kCountCaptures: the graphed target's handler, which counts its launches recorded into a graph (the direct one
+// pays no capture query per launch).
+template <bool kCountCaptures>
 ffi::Error Launch(CUstream stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t id,
                   int64_t grid, ffi::Span<const int64_t> parameters) {
   const Driver& driver = OpenDriver();
@@ -256,9 +259,11 @@ ffi::Error Launch(CUstream stream, int32_t device, ffi::RemainingArgs args, ffi:
   CUresult result = driver.launch_kernel(function, static_cast<unsigned>(grid), 1, 1, kernel.threads, 1, 1,
                                          kernel.shared, stream, pointers, nullptr);
   if (result != CUDA_SUCCESS) return ffi::Error::Internal(Describe(driver, result, "cuLaunchKernel", kernel));
-  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
-  if (driver.stream_is_capturing(stream, &capture) == CUDA_SUCCESS && capture == CU_STREAM_CAPTURE_STATUS_ACTIVE)
-    captured_launches.fetch_add(1, std::memory_order_relaxed);
+  if constexpr (kCountCaptures) {
+    CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (driver.stream_is_capturing(stream, &capture) == CUDA_SUCCESS && capture == CU_STREAM_CAPTURE_STATUS_ACTIVE)
+      captured_launches.fetch_add(1, std::memory_order_relaxed);
+  }
   return ffi::Error::Success();
 }
 
@@ -286,18 +291,22 @@ extern "C" int64_t moe_triton_register(const char* name, const char* cubin, size
   return id;
 }
 
-// How many launches went into a CUDA graph being captured (XLA tracing a command buffer) rather than to the GPU.
+// How many of moe_triton_launch_graphed's launches went into a CUDA graph being captured (XLA tracing a command
+// buffer) rather than to the GPU.
 extern "C" int64_t moe_triton_captured_launches() { return captured_launches.load(std::memory_order_relaxed); }
 
 // Why the CUDA driver cannot be used here (an empty string: it can).
 extern "C" const char* moe_triton_driver_error() { return OpenDriver().error.c_str(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_triton_launch, Launch,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("kernel")
-                                  .Attr<int64_t>("grid")
-                                  .Attr<ffi::Span<const int64_t>>("parameters"));
+#define MOE_TRITON_LAUNCH_BINDING                \
+  ffi::Ffi::Bind()                               \
+      .Ctx<ffi::PlatformStream<CUstream>>()      \
+      .Ctx<ffi::DeviceOrdinal>()                 \
+      .RemainingArgs()                           \
+      .RemainingRets()                           \
+      .Attr<int64_t>("kernel")                   \
+      .Attr<int64_t>("grid")                     \
+      .Attr<ffi::Span<const int64_t>>("parameters")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_triton_launch, Launch<false>, MOE_TRITON_LAUNCH_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(moe_triton_launch_graphed, Launch<true>, MOE_TRITON_LAUNCH_BINDING);

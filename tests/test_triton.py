@@ -320,7 +320,8 @@ def test_block_table_holds_each_row_blocks_expert_rows_and_start():
     row_blocks = plans._row_blocks(int(counts.sum()), E, BM)
     step = plans._block_table(plans.Step("grouped_gemm_kernel", 1, ("a", "b", "counts", "starts", "blocks64"), (),
                                          dict(E=E, EB=plans._expert_bins(E), BM=BM, ROW_BLOCKS=row_blocks), 4, 3))
-    table = torch.zeros(row_blocks * 4 + 1, dtype=torch.int32)
+    assert plans._BLOCK_FIELDS == moe.BLOCK_FIELDS.value == 4  # the plan sizes the buffer the kernel fills
+    table = torch.zeros(step.outputs[0].shape, dtype=torch.int32)
     moe.route_blocks_kernel[(step.grid,)](torch.from_numpy(counts), torch.from_numpy(starts), table,
                                           **step.constants)
     want = [(e, r, int(counts[e]), int(starts[e])) for e in range(E) for r in range(0, int(counts[e]), BM)]

@@ -4,16 +4,15 @@ Fast for a handful of tokens (no sort, no host sync in the forward). On CUDA not
 GEMM per projection whose batch entries point at each slot's expert weights where they lie (``moe_torch.slot_blas``,
 where its dtypes and alignment hold; compiled, the opaque op ``moe_torch::slot_products``, or at up to
 COMPILED_FUSED_SLOTS slots the gathered weights' batched matmul, which inductor fuses with the gather). On the CPU,
-uncompiled, nothing is gathered either: each slot takes one matmul on its expert's weights in place
-(IN_PLACE_DEVICES; in bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled
-on the CPU, and elsewhere, the
-weights are gathered (T*k copies of an expert's) and run through torch.bmm; on the CPU in chunks whose gathered weights
-stay in cache (a few MB each, never one huge buffer). Training keeps no gathered weights: the backward sums each
-expert's weight gradient as one matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K] gradient;
-on CUDA one K-grouped ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those sorted
-rows, on the CPU through the forward's way again (in place, or gathered in chunks when compiled). Training with a named
-activation and no biases runs as one autograd node (``moe_torch.training_step``: the composed path's ops and bits, one
-node's host cost), or within the spec's training_graphs bound on CUDA as training graphs.
+uncompiled, nothing is gathered either: each slot takes one matmul on its expert's weights in place (IN_PLACE_DEVICES;
+in bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled on the CPU, and
+elsewhere, the weights are gathered (T*k copies of an expert's) and run through torch.bmm; on the CPU in chunks whose
+gathered weights stay in cache (a few MB each, never one huge buffer). Training keeps no gathered weights: the backward
+sums each expert's weight gradient as one matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K]
+gradient; on CUDA one K-grouped ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those
+sorted rows, on the CPU through the forward's way again (in place, or gathered in chunks when compiled). Training with a
+named activation and no biases runs as one autograd node (``moe_torch.training_step``: the composed path's ops and bits,
+one node's host cost), or within the spec's training_graphs bound on CUDA as training graphs.
 """
 
 from __future__ import annotations
@@ -39,7 +38,9 @@ SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient
 # a projection). On the H100, qwen3-30b-a3b T=1 forward compiled max-autotune, slot_blas's graph took 0.037 ms on the
 # device against 0.030 for transformers' fused kernels, and replayed with more host time (0.151-0.176 against
 # 0.109-0.131 ms; bench/results/nvidia-h100-80gb-hbm3/2026-12-07-profile-compiled-decode-alternating-*.json); at
-# T=4 (32 slots) slot_blas's compiled forward took 1.06x transformers', at T=16 0.96x
+# T=4 (32 slots) slot_blas's compiled forward took 1.06x transformers', at T=16 0.96x. Timed with it on another H100
+# (2026-12-07-compiled-decode-*.json): no gain on a noisy host, the gate/up products then still a per-token GEMV on
+# a gathered copy; compiled they now take the per-slot form (``_token_products``), not yet timed
 COMPILED_FUSED_SLOTS = {"cuda": 32}
 
 
