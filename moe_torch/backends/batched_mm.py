@@ -35,13 +35,12 @@ IN_PLACE_DEVICES = ("cpu",)
 SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient as a grouped matmul (see _SlotLinear)
 # under torch.compile, up to this many slots take the gathered weights' batched matmul, which inductor fuses with the
 # gather (no copy) into one kernel a projection, instead of slot_blas's opaque op (a pointer kernel and a cuBLAS call
-# a projection). On the H100, qwen3-30b-a3b T=1 forward compiled max-autotune, slot_blas's graph took 0.037 ms on the
-# device against 0.030 for transformers' fused kernels, and replayed with more host time (0.151-0.176 against
-# 0.109-0.131 ms; bench/results/nvidia-h100-80gb-hbm3/2026-12-07-profile-compiled-decode-alternating-*.json); at
-# T=4 (32 slots) slot_blas's compiled forward took 1.06x transformers', at T=16 0.96x. Timed with it on another H100
-# (2026-12-07-compiled-decode-*.json): no gain on a noisy host, the gate/up products then still a per-token GEMV on
-# a gathered copy; compiled they now take the per-slot form (``_token_products``), not yet timed
-COMPILED_FUSED_SLOTS = {"cuda": 32}
+# a projection, and a custom op's host cost per call). On the H100, qwen3-30b-a3b forward, single calls, ours /
+# transformers' batched_mm in one process each (bench/results/nvidia-h100-80gb-hbm3/2026-12-07-compiled-threshold-*):
+# at T=8 (64 slots) the fused form 1.04-1.05 without CUDA graphs (max-autotune-no-cudagraphs) against 1.49-1.55 for
+# slot_blas, 1.03 against 0.98 with them (max-autotune); at T=16 slot_blas 0.83-0.87 with graphs, 1.14-1.16 without,
+# the fused form 1.01 in both; at T=64 the fused form 1.01 in both (transformers' own form: 1.6 ms, as theirs)
+COMPILED_FUSED_SLOTS = {"cuda": 64}
 
 
 def _chunks(slots: int, table: torch.Tensor) -> list[slice] | None:
