@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.fx.experimental.symbolic_shapes import has_static_value
 
-from moe_shared import check_arguments, check_expert_ids
+from moe_shared import ArrayInfo, Dims, check_arguments, check_expert_ids
 from moe_shared.registry import BackendRegistry
 
 from . import backends, graphs
-from .base import device_class, dtype_name, info
+from .base import device_class, dtype_name
 
 ExpertsInterface = BackendRegistry("torch")
 for _module in backends.ALL:
@@ -23,18 +24,54 @@ _CHECKED: dict[tuple, tuple[object, bool]] = {}
 _CHECKED_MAX = 256
 
 
-def _signature(implementation, activation, tensors) -> tuple | None:
+def _signature(implementation, activation, layouts) -> tuple | None:
     """What the argument and requirement checks depend on: the backend, the activation and each tensor's shape,
     dtype and device (None where the activation is not hashable, or under torch.compile, which traces the checks
     once)."""
     if torch.compiler.is_compiling():
         return None
-    key = (implementation, activation, tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
+    key = (implementation, activation, layouts)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _check(implementation: str, activation, layouts: tuple) -> Dims:
+    """The argument and requirement checks of a call from each tensor's (shape, dtype, device), None for an absent
+    one: raise on bad input, else the problem's dimensions."""
+    dims = check_arguments(*(None if layout is None else ArrayInfo(tuple(layout[0]), dtype_name(layout[1]))
+                             for layout in layouts), activation=activation)
+    device = layouts[0][2]
+    for name, layout in zip(_TENSOR_ARGS, layouts):
+        if layout is not None and layout[2] != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the device of hidden_states), got one on "
+                             f"{layout[2]}")
+    check_requirements(implementation, layouts[3][2], layouts[3][1])
+    return dims
+
+
+@torch.compiler.assume_constant_result
+def _check_as_constant(implementation: str, activation: str, layouts: tuple) -> Dims | None:
+    """``_check`` run by dynamo once, at tracing, as a constant, None where it raises (``_checks`` then traces it, so
+    that the error is raised as in eager code)."""
+    try:
+        return _check(implementation, activation, layouts)
+    except Exception:
+        return None
+
+
+def _checks(implementation: str, activation, layouts: tuple) -> Dims:
+    """The checks (``_check``). Where torch.compile traces static shapes and a named activation, as a constant: the
+    compiled call then guards on its arguments alone, not on every spec entry and helper the checks read (dynamo
+    evaluates each guard at every call; batched_mm on the CPU here: 5.7 against 4.0 us a call)."""
+    if (torch.compiler.is_compiling() and isinstance(activation, str)
+            and all(has_static_value(n) for layout in layouts if layout is not None for n in layout[0])):
+        dims = _check_as_constant(implementation, activation, layouts)
+        if dims is not None:
+            return dims
+    return _check(implementation, activation, layouts)
 
 
 def check_requirements(implementation: str, device: torch.device, dtype: torch.dtype | str) -> None:
@@ -72,20 +109,15 @@ def experts_forward(
     by default on for CPU tensors outside torch.compile, off elsewhere. Unchecked out-of-range ids count as empty.
     """
     fn = ExpertsInterface[implementation]
-    tensors = dict(zip(_TENSOR_ARGS, (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                      gate_up_bias, down_bias)))
-    for name, t in tensors.items():
+    tensors = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    for name, t in zip(_TENSOR_ARGS, tensors):
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    key = _signature(implementation, activation, tensors.values())
+    layouts = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+    key = _signature(implementation, activation, layouts)
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:  # these checks depend only on the signature: done once per signature
-        dims = check_arguments(*(info(t) for t in tensors.values()), activation=activation)
-        for name, t in tensors.items():
-            if t is not None and t.device != hidden_states.device:
-                raise ValueError(f"{name}: expected a tensor on {hidden_states.device} (the device of "
-                                 f"hidden_states), got one on {t.device}")
-        check_requirements(implementation, gate_up_proj.device, gate_up_proj.dtype)
+        dims = _checks(implementation, activation, layouts)
         checked = dims, key is not None and graphs.allowed(implementation, activation, gate_up_proj, down_proj,
                                                           dims.slots)
         if key is not None:

@@ -15,7 +15,7 @@ import torch
 import moe_torch
 from moe_shared import ArrayInfo
 from moe_shared.spec import load_spec, parse_spec
-from moe_torch import api, graphs
+from moe_torch import api, base, graphs
 from moe_torch import backends as moe_backends
 
 E, H, I, K = 4, 16, 8, 2
@@ -130,7 +130,7 @@ def test_graphable_within_the_weight_bound_named_activations_and_declared_backen
     gate_up, down = _weights()
     monkeypatch.setattr(graphs, "load_spec", _spec_with_graphs_on_cpu)
     per_token = (ArrayInfo((T, H), "float32"), ArrayInfo((T, K), "int64"), ArrayInfo((T, K), "float32"))
-    dims = moe_torch.api.check_arguments(*per_token, api.info(gate_up), api.info(down), None, None,
+    dims = moe_torch.api.check_arguments(*per_token, base.info(gate_up), base.info(down), None, None,
                                          activation="silu")
     assert graphs.allowed("grouped_mm", "silu", gate_up, down, dims.slots) is expected
     assert not graphs.allowed("grouped_mm", torch.nn.functional.silu, gate_up, down, dims.slots)

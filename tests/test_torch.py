@@ -365,6 +365,68 @@ def test_compile_fullgraph(backend, dtype, H, I):
         torch.testing.assert_close(compiled_grads[n], g, **tol)
 
 
+def _compiled_guards(fn, *args, dynamic=False) -> str:
+    """The guards dynamo keeps for ``fn`` compiled (eager backend) on ``args``, as dynamo prints them."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="eager")(*args)
+    return str(_debug_get_cache_entry_list(fn.__code__)[0].guard_manager)
+
+
+@pytest.mark.parametrize("backend", ["batched_mm", "grouped_mm"])
+def test_compiled_argument_checks_leave_no_guards(backend, monkeypatch):
+    """Compiled with static shapes, the argument checks run once as a constant: none of the contract's or the spec's
+    objects is guarded at every call; traced as plain code (the control), they are."""
+    import moe_torch.api as api
+
+    arrays, _ = random_case(2, T=4, H=16, I=8, E=4, k=2, bias=False)
+    t = to_torch(arrays, "float32")
+    args = (t["hidden_states"], t["top_k_index"], t["top_k_weights"])
+
+    def forward(x, index, weights):
+        return experts_forward(x, index, weights, t["gate_up_proj"], t["down_proj"], implementation=backend)
+
+    with torch.no_grad():
+        assert "moe_shared_dot_contract" not in _compiled_guards(forward, *args)
+        assert "moe_shared_dot_contract" in _compiled_guards(forward, *args, dynamic=True)  # symbolic shapes
+        monkeypatch.setattr(api, "_check_as_constant", lambda *a: None)
+        assert "moe_shared_dot_contract" in _compiled_guards(forward, *args)
+
+
+@pytest.mark.parametrize("fullgraph, raised", [(False, ValueError), (True, torch._dynamo.exc.Unsupported)])
+def test_compiled_bad_arguments_raise_as_in_eager(fullgraph, raised):
+    """A bad argument under torch.compile raises the eager error (dynamo falls back to eager code), or, with
+    fullgraph, dynamo's error for an exception in the traced code: the checks' constant form changes neither."""
+    arrays, _ = random_case(2, T=3, H=16, I=8, E=4, k=2, bias=False)
+    t = to_torch(arrays, "float32")
+    down = torch.randn(4, 16, 9)  # I = 9 against gate_up_proj's 2I = 16
+    fn = torch.compile(lambda x, i, w: experts_forward(x, i, w, t["gate_up_proj"], down, implementation="batched_mm"),
+                       fullgraph=fullgraph, dynamic=False)
+    torch._dynamo.reset()
+    with pytest.raises(raised) as caught:
+        fn(t["hidden_states"], t["top_k_index"], t["top_k_weights"])
+    if raised is ValueError:
+        assert str(caught.value).startswith("gate_up_proj: expected shape [E, 2I, H]")
+
+
+@pytest.mark.parametrize("backend", ["batched_mm", "grouped_mm"])
+def test_compile_fullgraph_dynamic_shapes(backend):
+    """With symbolic sizes (dynamic=True) the checks are traced as plain code: new token counts run without a
+    recompile-time error and match eager."""
+    torch._dynamo.reset()
+    arrays, _ = random_case(3, T=5, H=16, I=8, E=4, k=2, bias=False)
+    t = to_torch(arrays, "float32")
+    fn = torch.compile(lambda x, i, w: experts_forward(x, i, w, t["gate_up_proj"], t["down_proj"],
+                                                       implementation=backend), fullgraph=True, dynamic=True)
+    for T in (5, 3, 7):
+        x, index, weights = (t[n][:T] if T <= 5 else torch.cat([t[n], t[n][:T - 5]])
+                             for n in ("hidden_states", "top_k_index", "top_k_weights"))
+        with torch.no_grad():
+            expected = experts_forward(x, index, weights, t["gate_up_proj"], t["down_proj"], implementation=backend)
+            torch.testing.assert_close(fn(x, index, weights), expected, rtol=1e-5, atol=1e-5)
+
+
 # --- against transformers' own experts module --------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
