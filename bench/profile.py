@@ -13,7 +13,8 @@ reported per call: its count, its own host time, and on CUDA its kernels' device
 call; ``graphs``: CUDA graph launches); then the same calls under cProfile (``python``: the functions with the most
 own host time per call, where the time goes that no op names: wrappers, guards, CUDA-graph bookkeeping); for a
 compiled forward, ``frame_ms``: the host time per call of the same trace with its graph's work left out (dynamo's
-guard check and frame alone). The table prints the top ``--top`` entries of each by device time (host time on
+guard check and frame alone), and ``guard_us``: its guard check alone, timed in a loop (steadier than the host
+times). The table prints the top ``--top`` entries of each by device time (host time on
 CPU); ``--out`` writes them all as JSON. Compare a backend with its transformers peer on the same inputs to see
 which ops make a difference.
 """
@@ -124,11 +125,43 @@ def frame_ms(runner: TorchRunner, backend: str, n_sets: int, calls: int) -> floa
     return min(host_ms(call, n_sets, calls, runner.device) for _ in range(3))
 
 
+def guard_us(runner: TorchRunner, backend: str, checks: int = 20000) -> float | None:
+    """Dynamo's guard check alone, us per call: the guards of the forward that ``frame_ms`` compiled last, checked
+    on the first input set's arguments (the best of three loops of ``checks``); None where this torch keeps its
+    cache entries out of reach. Raises if the guards fail on those arguments (a check that exits early would be
+    timed)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return None
+    fn = runner.traced
+    entries = _debug_get_cache_entry_list(fn.__code__)
+    if not entries:
+        return None
+    s = runner.sets[0]
+    code = fn.__code__
+    frame_locals = dict(zip(code.co_varnames[:code.co_argcount],
+                            (s.hidden_states, s.top_k_index, s.top_k_weights, runner.weights.gate_up,
+                             runner.weights.down)))
+    frame_locals.update(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
+    manager = entries[0].guard_manager
+    best = float("inf")
+    with torch.no_grad():
+        if not manager.check(frame_locals):
+            raise RuntimeError(f"{backend}: the compiled forward's guards fail on its own arguments")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(checks):
+                manager.check(frame_locals)
+            best = min(best, time.perf_counter() - start)
+    return best * 1e6 / checks
+
+
 def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, calls: int,
                   compile_mode: str | None = None) -> dict:
     """``cudagraph_skips``: in a CUDA-graph compile mode on CUDA, the compiled graphs inductor ran without CUDA
     graphs (``TorchRunner.cudagraph_skips``), else None. ``frame_ms``: for a compiled forward, dynamo's part of
-    ``host_ms`` (``frame_ms`` above), else None."""
+    ``host_ms`` (``frame_ms`` above), and ``guard_us`` its guard check (``guard_us`` above), else None."""
     call = runner.build(backend, mode, compile_mode)
     skips = runner.cudagraph_skips() if compile_mode in CUDA_GRAPH_MODES else None
     for i in range(2 * n_sets):  # warm-up (allocator, caches, lazy imports)
@@ -137,7 +170,9 @@ def profile_point(runner: TorchRunner, backend: str, mode: str, n_sets: int, cal
     rows = op_table(call, n_sets, calls, runner.device)
     functions = python_functions(call, n_sets, calls, runner.device)
     frame = frame_ms(runner, backend, n_sets, calls) if compile_mode is not None and mode == "fwd" else None
+    guards = guard_us(runner, backend) if frame is not None else None
     return {"backend": backend, "mode": mode, "compile_mode": compile_mode, "host_ms": host, "frame_ms": frame,
+            "guard_us": guards,
             "kernels": kernel_launches(rows), "graphs": graph_launches(rows),
             "cudagraph_skips": None if skips is None else runner.cudagraph_skips() - skips,
             "device_ms": sum(r["device_ms"] for r in rows), "ops": rows, "python": functions}
@@ -147,7 +182,9 @@ def render(point: dict, top: int) -> str:
     compiled = f" compiled-{point['compile_mode']}" if point.get("compile_mode") else ""
     lines = [f"{point['config']} T={point['tokens']} {point['backend']} {point['mode']}{compiled}: "
              f"host {point['host_ms']:.3f} ms/call"
-             + (f" (dynamo's frame {point['frame_ms']:.3f})" if point.get("frame_ms") is not None else "")
+             + (f" (dynamo's frame {point['frame_ms']:.3f}" if point.get("frame_ms") is not None else "")
+             + (f", its guard check {point['guard_us']:.1f} us" if point.get("guard_us") is not None else "")
+             + (")" if point.get("frame_ms") is not None else "")
              + f", {point['kernels']:.0f} kernel launches/call, {point['graphs']:.0f} CUDA graph launches/call, "
              f"device {point['device_ms']:.3f} ms/call"
              + (f", {point['cudagraph_skips']} graph(s) compiled without CUDA graphs" if point.get("cudagraph_skips")

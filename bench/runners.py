@@ -229,6 +229,7 @@ class TorchRunner(Runner):
         super().__init__(device)
         self._base_memory = 0
         self._call_bytes = 0
+        self.traced: Callable | None = None  # the function torch.compile traced last (bench.profile checks its guards)
 
     def cudagraph_skips(self):
         """inductor's count of the graphs it ran without CUDA graphs in a CUDA-graph mode (each is also logged as
@@ -303,6 +304,7 @@ class TorchRunner(Runner):
             for weight in (self.weights.gate_up, self.weights.down, *self._leaves[0][2:]):
                 torch._dynamo.mark_static_address(weight)
             how = {"mode": variant} if compiler is None else {"backend": compiler}
+            self.traced = forward
             forward = torch.compile(forward, fullgraph=True, dynamic=False, **how)
         return {"fwd": self._forward_call, "fwd+bwd": self._backward_call}[mode](forward)
 

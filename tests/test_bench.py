@@ -535,6 +535,25 @@ def test_profile_frame_runs_the_traced_graph_once_then_replays_its_outputs():
     assert profile.frame_ms(runner, "grouped_mm", 2, 3) > 0
 
 
+def test_profile_guard_check_times_the_compiled_forwards_own_guards():
+    """``guard_us`` checks the guards of the forward ``frame_ms`` compiled on that forward's own arguments (they
+    pass), and refuses to time a check that fails (another token count fails the tensors' shape guards)."""
+    import torch
+    from bench import profile
+    from bench.inputs import make_sets, make_weights
+
+    cpu, tiny = torch.device("cpu"), get_configs("tiny")[0]
+    runner = runners.TorchRunner(cpu)
+    weights = make_weights(tiny, torch.float32, cpu, 0)
+    for backend in ("grouped_mm", "transformers:batched_mm"):
+        runner.load(weights, make_sets(tiny, 2, torch.float32, cpu, 0, 2))
+        profile.frame_ms(runner, backend, 2, 3)
+        assert 0 < profile.guard_us(runner, backend, checks=100) < 1e4
+        runner.load(weights, make_sets(tiny, 3, torch.float32, cpu, 0, 2))
+        with pytest.raises(RuntimeError, match="guards fail on its own arguments"):
+            profile.guard_us(runner, backend, checks=100)
+
+
 def test_profile_names_an_unknown_backend():
     from bench import profile
 
