@@ -14,9 +14,8 @@ call; ``graphs``: CUDA graph launches); then the same calls under cProfile (``py
 own host time per call, where the time goes that no op names: wrappers, guards, CUDA-graph bookkeeping); for a
 compiled forward, ``frame_ms``: the host time per call of the same trace with its graph's work left out (dynamo's
 guard check and frame alone), and ``guard_us``: its guard check alone, timed in a loop (steadier than the host
-times). The table prints the top ``--top`` entries of each by device time (host time on
-CPU); ``--out`` writes them all as JSON. Compare a backend with its transformers peer on the same inputs to see
-which ops make a difference.
+times). The table prints the top ``--top`` entries of each by device time (host time on CPU); ``--out`` writes them
+all as JSON. Compare a backend with its transformers peer on the same inputs to see which ops make a difference.
 """
 
 from __future__ import annotations
