@@ -71,7 +71,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "series', and pool the samples: ours / theirs ratios then do not depend on when in the run "
                         "each series was timed (decode points move by tenths of a millisecond within a run)")
     p.add_argument("--stream-rounds", type=int, default=5,
-                   help="rounds of calls issued back to back over the input sets, timed per round (stream_ms)")
+                   help="rounds of calls issued back to back over the input sets, timed per round (stream_ms); "
+                        "as many samples of graphed_ms")
+    p.add_argument("--graphed-max-tokens", type=int, default=256,
+                   help="forward points up to this many tokens also time graphed_ms: a call's device time within "
+                        "one captured program of the input sets' calls (a CUDA graph; a jitted function); 0: none")
     p.add_argument("--max-call-s", type=float, default=2.0, help="skip points estimated slower than this per call")
     p.add_argument("--max-point-s", type=float, default=15.0,
                    help="skip a series' larger token counts once a point took longer to warm up and time")
@@ -127,7 +131,8 @@ def options(args: argparse.Namespace) -> Options:
         compile_flags=[COMPILE_FLAGS[c] for c in _choices(compile_text, list(COMPILE_FLAGS), "--compile")],
         compile_mode=args.compile_mode, dtype=dtype, device=device,
         timing=Timing(warmup=args.warmup, min_reps=args.min_reps, max_reps=max(args.min_reps, args.max_reps),
-                      min_time=args.min_time, stream_rounds=args.stream_rounds),
+                      min_time=args.min_time, stream_rounds=args.stream_rounds,
+                      graphed_max_tokens=args.graphed_max_tokens),
         n_sets=args.sets, seed=args.seed,
         memory_budget=args.mem_budget_gib * GIB if args.mem_budget_gib else default_memory_budget(device),
         max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast, peers=not args.no_peers,

@@ -9,6 +9,7 @@ see ``TorchRunner.variants``); JAX, jitted, except backends the spec marks ``jit
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -37,6 +38,7 @@ class Timing:
     max_reps: int = 100
     min_time: float = 0.2  # seconds of timed calls per point, within [min_reps, max_reps]
     stream_rounds: int = 5  # back-to-back rounds over the input sets, after the calls timed alone
+    graphed_max_tokens: int = 256  # forward points up to this many tokens also time graphed_ms (0: none)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Measurement:
     wall_ms: list[float] = ()  # each timed call on the host's clock, from the call to its result being ready
     # in a CUDA-graph compile mode where those graphs apply: how many compiled graphs ran without them
     cudagraph_skips: int | None = None
+    graphed_ms: list[float] = ()  # per call within one captured program of the input sets' calls (Runner.graphed)
 
     @property
     def median_ms(self) -> float:
@@ -61,6 +64,10 @@ class Measurement:
     @property
     def median_stream_ms(self) -> float | None:
         return statistics.median(self.stream_ms) if self.stream_ms else None
+
+    @property
+    def median_graphed_ms(self) -> float | None:
+        return statistics.median(self.graphed_ms) if self.graphed_ms else None
 
 
 Variant = str | None
@@ -76,6 +83,7 @@ CUDA_GRAPH_MODES = frozenset({"max-autotune", "reduce-overhead"})
 
 class Runner(ABC):
     framework: ClassVar[str]
+    tokens: int = 0  # of the input sets loaded last
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -144,6 +152,15 @@ class Runner(ABC):
             self.finish(result)
         return (time.perf_counter() - t0) * 1e3 / n
 
+    def graphed(self, backend: str, variant: Variant, call: Callable[[int], Any], n_sets: int,
+                rounds: int) -> list[float]:
+        """Samples of ``graphed_ms`` for a forward series, or none where this runner has no such program for it:
+        the device time a call adds inside one program that a caller captured whole (a model's decode step as one
+        CUDA graph or one jitted function), without the program's own launch and dispatch. Each sample: (time of
+        the program making the calls of every input set - time of the program making the call of set 0) / (sets
+        - 1), the two programs run in turn."""
+        return []
+
     def start_memory(self) -> None:
         """Called after the warm-up, before the timed calls."""
 
@@ -199,9 +216,18 @@ class Runner(ABC):
                 output = self.forward_output(result)
         peak = self.peak_memory_gib()
         stream = [self.clock_stream(call, n_sets) for _ in range(timing.stream_rounds)]
+        graphed = (self.graphed(backend, variant, call, n_sets, timing.stream_rounds)
+                   if mode == "fwd" and n_sets > 1 and self.tokens <= timing.graphed_max_tokens else [])
         return Measurement(samples, peak, output, run_s=time.perf_counter() - setup_end, stream_ms=stream,
                            wall_ms=walls,
-                           cudagraph_skips=None if skips_before is None else self.cudagraph_skips() - skips_before)
+                           cudagraph_skips=None if skips_before is None else self.cudagraph_skips() - skips_before,
+                           graphed_ms=graphed)
+
+
+def marginal_samples(clock_all: Callable[[], float], clock_one: Callable[[], float], n_sets: int,
+                     rounds: int) -> list[float]:
+    """``rounds`` samples of (clock_all() - clock_one()) / (n_sets - 1), the two clocked in turn."""
+    return [(clock_all() - clock_one()) / (n_sets - 1) for _ in range(rounds)]
 
 
 def requested_modes(compile_mode: str, allowed: Collection[str]) -> list[str]:
@@ -274,6 +300,7 @@ class TorchRunner(Runner):
     def load(self, weights, sets):
         self.weights = weights
         self.sets = sets
+        self.tokens = sets[0].hidden_states.shape[0]
         self._call_bytes = weights.nbytes + sets[0].nbytes
         grad_weights = [t.detach().requires_grad_(True) for t in (weights.gate_up, weights.down)]
         self._leaves = [(s.hidden_states.detach().requires_grad_(True), s.top_k_weights.detach().requires_grad_(True),
@@ -355,6 +382,39 @@ class TorchRunner(Runner):
         end.synchronize()
         del results
         return start.elapsed_time(end) / n
+
+    def graphed(self, backend, variant, call, n_sets, rounds):
+        """On CUDA, uncompiled series of a backend whose spec entry (a peer: its counterpart's) declares decode
+        graphs (``graphs``: verified capturable): ``call`` over the input sets captured in one CUDA graph, over set 0
+        in another, each replayed and timed by CUDA events. A peer whose call cannot be captured gets none."""
+        if self.device.type != "cuda" or variant is not None or not _declares_graphs(backend):
+            return []
+        try:
+            programs = [self._capture(call, count) for count in (n_sets, 1)]
+        except RuntimeError:
+            if backend in PEERS:
+                return []
+            raise
+        clocks = [functools.partial(self._clock_replay, graph) for graph, _ in programs]
+        for clock in clocks:
+            clock()
+        return marginal_samples(*clocks, n_sets, rounds)
+
+    @staticmethod
+    def _capture(call, count: int) -> tuple[torch.cuda.CUDAGraph, list]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = [call(i) for i in range(count)]
+        return graph, outputs
+
+    @staticmethod
+    def _clock_replay(graph: torch.cuda.CUDAGraph) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
 
     def start_memory(self):
         if self.device.type == "cuda":
@@ -448,6 +508,7 @@ class JaxRunner(Runner):
             self._peer_weights = None
         self.gate_up, self.down = self._array(weights.gate_up), self._array(weights.down)
         self._weights = weights
+        self.tokens = sets[0].hidden_states.shape[0]
         self.sets = [(self._array(s.hidden_states), self._array(s.top_k_index.to(torch.int32)),
                       self._array(s.top_k_weights), self._array(s.grad_output)) for s in sets]
         self.jax.block_until_ready((self.gate_up, self.down, self.sets))
@@ -468,14 +529,17 @@ class JaxRunner(Runner):
             self._peer_weights = (self._weights, tokamax_weights(self.gate_up, self.down))
         return self._peer_weights[1]
 
-    def build(self, backend, mode, variant):
+    def _forward(self, backend: str) -> Callable:
         if backend in PEERS:
-            forward = PEERS[backend].make()
-        else:
-            experts_forward = self.moe_jax.experts_forward
+            return PEERS[backend].make()
+        experts_forward = self.moe_jax.experts_forward
 
-            def forward(x, index, w, gate_up, down):
-                return experts_forward(x, index, w, gate_up, down, implementation=backend, validate=False)
+        def forward(x, index, w, gate_up, down):
+            return experts_forward(x, index, w, gate_up, down, implementation=backend, validate=False)
+        return forward
+
+    def build(self, backend, mode, variant):
+        forward = self._forward(backend)
 
         def forward_backward(x, index, w, gate_up, down, g):
             out, vjp = self.jax.vjp(lambda x, w, gate_up, down: forward(x, index, w, gate_up, down),
@@ -505,6 +569,30 @@ class JaxRunner(Runner):
             # up over the back-to-back calls (deepseek-v3's weight gradients are 21 GiB a call)
             return lambda i: executable(*args(i))[0]
         return lambda i: executable(*args(i))
+
+    def graphed(self, backend, variant, call, n_sets, rounds):
+        """Jitted series: one jitted function making the calls of every input set, one making set 0's, each timed
+        on the host's clock until its results are ready (the programs' dispatch cancels out)."""
+        if variant != JIT:
+            return []
+        forward = self._forward(backend)
+        gate_up, down = self._weights_for(backend)
+
+        def program(gate_up, down, *sets):
+            return [forward(x, index, w, gate_up, down) for x, index, w in sets]
+
+        clocks = []
+        for count in (n_sets, 1):
+            args = (gate_up, down, *(s[:3] for s in self.sets[:count]))
+            clocks.append(functools.partial(self._clock_program, self.jax.jit(program).lower(*args).compile(), args))
+        for clock in clocks:
+            clock()
+        return marginal_samples(*clocks, n_sets, rounds)
+
+    def _clock_program(self, executable, args) -> float:
+        start = time.perf_counter()
+        self.jax.block_until_ready(executable(*args))
+        return (time.perf_counter() - start) * 1e3
 
     def finish(self, result):
         self.jax.block_until_ready(result)
@@ -538,6 +626,12 @@ class JaxRunner(Runner):
 
 
 RUNNERS: dict[str, type[Runner]] = {r.framework: r for r in (TorchRunner, JaxRunner)}
+
+
+def _declares_graphs(backend: str) -> bool:
+    declared = SPEC.backends.get(PEERS[backend].counterpart if backend in PEERS else backend)
+    support = declared.frameworks.get("torch") if declared is not None else None
+    return support is not None and support.graphs.get("cuda", 0) > 0
 
 
 def series(framework: str, backend: str, variant: Variant, mode: str | None = None) -> str:

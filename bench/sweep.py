@@ -268,7 +268,8 @@ def _pooled(measurements: Sequence[Measurement]) -> Measurement:
                        measurements[0].output, sum(m.run_s for m in measurements),
                        stream_ms=[ms for m in measurements for ms in m.stream_ms],
                        wall_ms=[ms for m in measurements for ms in m.wall_ms],
-                       cudagraph_skips=sum(skips) if skips else None)
+                       cudagraph_skips=sum(skips) if skips else None,
+                       graphed_ms=[ms for m in measurements for ms in m.graphed_ms])
 
 
 def _record_point(p: Point, m: Measurement, peaks: roofline.Peaks, hits: float, dtype: str, itemsize: int,
@@ -283,7 +284,7 @@ def _record_point(p: Point, m: Measurement, peaks: roofline.Peaks, hits: float, 
         "peer": p.backend in PEERS, "config": cfg.name, "hidden": cfg.hidden,
         "intermediate": cfg.intermediate, "experts": cfg.experts, "top_k": cfg.top_k, "tokens": p.tokens,
         "dtype": dtype, "mode": p.mode, "compiled": p.compiled, "compile_mode": p.variant, "ms": ms,
-        "stream_ms": m.median_stream_ms, "wall_ms": m.median_wall_ms,
+        "stream_ms": m.median_stream_ms, "wall_ms": m.median_wall_ms, "graphed_ms": m.median_graphed_ms,
         "floor_ms": roofline.floor_ms(n_flops, n_bytes, peaks.tflops, peaks.tbs),
         "tflops": n_flops / (ms * 1e-3) / 1e12, "peak_mem_gib": m.peak_mem_gib,
         "rel_err": relative_l2(m.output, reference), "cudagraph_skips": m.cudagraph_skips,

@@ -29,7 +29,7 @@ RECORD_TYPES = {
     "intermediate": int, "experts": int, "top_k": int, "tokens": int, "dtype": str, "mode": str, "compiled": bool,
     "compile_mode": (str, type(None)), "ms": float, "floor_ms": float, "tflops": float,
     "peak_mem_gib": (float, type(None)), "rel_err": float, "stream_ms": float, "wall_ms": float,
-    "cudagraph_skips": (int, type(None)),
+    "cudagraph_skips": (int, type(None)), "graphed_ms": (float, type(None)),
 }
 META_TYPES = {
     "device": str, "torch": str, "jax": (str, type(None)), "triton": (str, type(None)),
@@ -81,6 +81,8 @@ def test_smoke_json_schema(smoke):
         assert r["library"] == (peers.PEERS[r["backend"]].library if r["peer"] else f"moe_{r['framework']}")
         jitted = r["framework"] == "jax" and r["backend"] != "eager"
         assert r["compile_mode"] == (runners.JIT if jitted else None) and r["compiled"] == jitted
+        # graphed_ms: JAX's jitted forward series (one jitted program of the sets' calls); torch's needs CUDA
+        assert (r["graphed_ms"] is not None) == (jitted and r["mode"] == "fwd"), r
 
 
 def test_smoke_meta_records_the_installed_kernel_packages(smoke):
@@ -725,3 +727,88 @@ def test_jax_points_on_cpu_run_with_torch_on_one_thread():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_graphed_samples_are_the_marginal_time_of_a_call():
+    """graphed_ms: (the program of every set's call - the program of set 0's call) / (sets - 1), the two timed in
+    turn, one sample per round."""
+    clocks = {"all": iter([10.0, 11.0, 13.0]), "one": iter([4.0, 5.0, 4.0])}
+    order = []
+
+    def clock(name):
+        order.append(name)
+        return next(clocks[name])
+
+    samples = runners.marginal_samples(lambda: clock("all"), lambda: clock("one"), 4, 3)
+    assert samples == [2.0, 2.0, 3.0] and order == ["all", "one"] * 3
+
+
+def test_graphed_ms_is_timed_up_to_the_token_limit_for_forward_points(tmp_path):
+    """JAX jitted forward points up to --graphed-max-tokens get graphed_ms; larger ones and --graphed-max-tokens 0
+    none."""
+    argv = ["--config", "tiny", "--tokens", "2,16", "--device", "cpu", "--frameworks", "jax", "--backends",
+            "grouped_mm", "--modes", "fwd", "--no-peers", "--min-reps", "1", "--max-reps", "1", "--min-time", "0",
+            "--sets", "3", "--stream-rounds", "2", "--no-plot"]
+    for limit, expected in (("8", {2: True, 16: False}), ("0", {2: False, 16: False})):
+        out = tmp_path / limit
+        assert main(argv + ["--out", str(out), "--graphed-max-tokens", limit]) == 0
+        (path,) = out.glob("*/*-tiny.json")
+        records = json.loads(path.read_text())["records"]
+        assert {r["tokens"]: r["graphed_ms"] is not None for r in records} == expected
+
+
+def test_torch_graphed_captures_the_sets_calls_in_one_cuda_graph_and_set_0s_in_another(monkeypatch):
+    """On CUDA an uncompiled series of a backend that declares decode graphs captures its calls over every input
+    set in one CUDA graph and set 0's in another, each replay timed by events; a series of a backend without them,
+    or compiled, gets none. A peer whose call cannot be captured gets none; ours raise."""
+    import torch
+
+    captured, replays = [], []
+
+    class Graph:
+        def replay(self):
+            replays.append(self)
+
+    class Capture:
+        def __init__(self, graph, capture_error_mode):
+            self.graph = graph
+            assert capture_error_mode == "thread_local"
+
+        def __enter__(self):
+            captured.append((self.graph, []))
+
+        def __exit__(self, *exc):
+            return False
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):  # the graph of three calls takes 7 ms, the graph of one call 3 ms
+            return 7.0 if len(captured[0][1]) == 3 and replays[-1] is captured[0][0] else 3.0
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    runner = runners.TorchRunner(torch.device("cuda"))
+
+    def call(i):
+        captured[-1][1].append(i)
+
+    assert runner.graphed("triton", None, call, 3, 2) == [2.0, 2.0]
+    assert [calls for _, calls in captured] == [[0, 1, 2], [0]]
+    assert runner.graphed("eager", None, call, 3, 2) == []  # its spec entry declares no graphs
+    assert runner.graphed("triton", "max-autotune", call, 3, 2) == []
+
+    def failing(i):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert runner.graphed("transformers:grouped_mm", None, failing, 3, 2) == []
+    with pytest.raises(RuntimeError, match="capturing"):
+        runner.graphed("grouped_mm", None, failing, 3, 2)
