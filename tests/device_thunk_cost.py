@@ -30,6 +30,22 @@ def bump(x_ptr, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.load(x_ptr + offs) + 1.0)
 
 
+@triton.jit
+def bump_many(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, e_ptr, f_ptr, out_ptr, side_ptr, BLOCK: tl.constexpr):
+    """bump with six more operands it does not read and a second result, as a decode launch has (7 operands)."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+
+
+def jax_chain_many(n, target):
+    def f(x, *others):
+        for _ in range(n):
+            x, _ = triton_call.launch(bump_many, 1, [x, *others], [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
+                                      {"BLOCK": 1024}, num_warps=4, num_stages=1, target=target)
+        return x
+    return f
+
+
 def jax_chain(n, target):
     def f(x):
         for _ in range(n):
@@ -66,6 +82,14 @@ def main():
             times[n] = clock(lambda ex=ex: jax.block_until_ready(ex(x)))
         result[target] = {"ms_n1": times[1], "ms_n41": times[41], "us_per_call": (times[41] - times[1]) / 40 * 1e3}
         print(target, result[target], flush=True)
+    others = [jnp.zeros(1024, jnp.float32) + i for i in range(6)]
+    times = {}
+    for n in (1, 41):
+        ex = jax.jit(jax_chain_many(n, triton_call.LAUNCH_TARGET)).lower(x, *others).compile()
+        times[n] = clock(lambda ex=ex: jax.block_until_ready(ex(x, *others)))
+    result["seven_operands_two_results"] = {"ms_n1": times[1], "ms_n41": times[41],
+                                            "us_per_call": (times[41] - times[1]) / 40 * 1e3}
+    print("seven operands", result["seven_operands_two_results"], flush=True)
     t = torch.zeros(1024, device="cuda")
     outs = [torch.empty_like(t) for _ in range(41)]
 
