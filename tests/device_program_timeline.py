@@ -27,7 +27,9 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import moe_jax  # noqa: E402
 import moe_torch  # noqa: E402
 
-H, I, E, K = 2048, 768, 128, 8
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2),
+          "deepseek-v3": (7168, 2048, 256, 8)}
+H, I, E, K = SHAPES["qwen3-30b-a3b"]
 
 
 def inputs(T, n, seed=0):
@@ -76,10 +78,13 @@ def main():
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tokens", default="1,4")
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--config", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     args = p.parse_args()
+    global H, I, E, K
+    H, I, E, K = SHAPES[args.config]
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "jax": jax.__version__,
-               "command": " ".join(sys.argv), "points": []}
+    results = {"config": args.config, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "jax": jax.__version__, "command": " ".join(sys.argv), "points": []}
     for T in map(int, args.tokens.split(",")):
         gate_up, down, sets = inputs(T, args.calls)
 
@@ -98,8 +103,15 @@ def main():
         def program(gate_up, down, *flat):
             return [moe_jax.experts_forward(*flat[3 * j:3 * j + 3], gate_up, down, implementation="triton",
                                             validate=False) for j in range(len(flat) // 3)]
+        def chained(gate_up, down, *flat):  # the benchmark's graphed_ms program: one result, hidden states chained
+            x = flat[0]
+            for j in range(len(flat) // 3):
+                x = moe_jax.experts_forward(x, *flat[3 * j + 1:3 * j + 3], gate_up, down, implementation="triton",
+                                            validate=False)
+            return x
         flat = [a for s in jax_sets for a in s]
         executable = jax.jit(program).lower(*jax_weights, *flat).compile()
+        chain = jax.jit(chained).lower(*jax_weights, *flat).compile()
         jax_outs = executable(*jax_weights, *flat)
         graph.replay()
         torch.cuda.synchronize()
@@ -107,7 +119,8 @@ def main():
                    for t, j in zip(torch_outs, jax_outs))
         point = {"T": T, "calls": args.calls, "bit_identical": same}
         for name, run in (("torch_cuda_graph", graph.replay),
-                          ("jax_jitted", lambda: jax.block_until_ready(executable(*jax_weights, *flat)))):
+                          ("jax_jitted", lambda: jax.block_until_ready(executable(*jax_weights, *flat))),
+                          ("jax_jitted_chained", lambda: jax.block_until_ready(chain(*jax_weights, *flat)))):
             rows = timeline(run)
             point[name] = {"summary": summary(rows, args.calls), "rows": rows}
             print(T, name, point[name]["summary"], flush=True)
