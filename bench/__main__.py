@@ -174,6 +174,21 @@ def _list(opts: Options) -> int:
     return 0
 
 
+def _import_moe_jax() -> None:
+    """moe_jax imported before torch runs anything: on the CPU it sets glibc's allocator (``moe_jax.host_memory``),
+    which binds the threads that allocate after it, XLA's and torch's alike. (Where it cannot be imported, the JAX
+    runner says why.)"""
+    try:
+        import moe_jax  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _host_memory() -> str | None:
+    module = sys.modules.get("moe_jax.host_memory")
+    return None if module is None else module.STATE
+
+
 def _stop(signum, frame):
     raise SystemExit(128 + signum)  # SIGTERM (e.g. `timeout`): the results written after the last point stay
 
@@ -181,6 +196,8 @@ def _stop(signum, frame):
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
     args = parse_args(argv)
+    if "jax" in args.frameworks.split(","):
+        _import_moe_jax()
     opts = options(args)
     signal.signal(signal.SIGTERM, _stop)
     if args.list:
@@ -192,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "device": environment.device_name(opts.device), "device_tag": environment.device_tag(opts.device),
         "device_class": opts.device.type, **environment.versions(), "commit": environment.commit(),
-        "environment": environment.timing_environment(),
+        "environment": environment.timing_environment(), "jax_host_memory": _host_memory(),
         "date": started.isoformat(timespec="seconds"), "dtype": opts.dtype,
         "command": ["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)],
     }

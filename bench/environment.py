@@ -63,10 +63,10 @@ KERNEL_PACKAGES = ("jax-triton", "sonic-moe", "quack-kernels", "nvidia-cutlass-d
 
 
 # the environment variables, set before the process started, that change what a CPU point measures: glibc's
-# allocator (memory kept between steps or handed back, README "CPU"), the kernel library's huge pages, the thread
-# counts
+# allocator (memory kept between steps or handed back, README "CPU"; moe_jax's setting of it), the kernel library's
+# huge pages, the thread counts
 TIMING_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES",
-                    "LD_PRELOAD", "MOE_EXPERTS_HUGE_PAGES", "OMP_NUM_THREADS", "XLA_FLAGS")
+                    "LD_PRELOAD", "MOE_JAX_MALLOC", "MOE_EXPERTS_HUGE_PAGES", "OMP_NUM_THREADS", "XLA_FLAGS")
 
 
 def timing_environment() -> dict[str, str]:

@@ -105,6 +105,8 @@ def summary(meta: Mapping, unavailable: Mapping[str, Mapping[str, str]], skipped
              f"({meta['dtype']} matmul, copy)"]
     if meta.get("environment"):
         lines.append("environment: " + " ".join(f"{k}={v}" for k, v in meta["environment"].items()))
+    if meta.get("jax_host_memory"):
+        lines.append(f"glibc's allocator (moe_jax.host_memory): {meta['jax_host_memory']}")
     for fw, reasons in unavailable.items():
         for backend, reason in reasons.items():
             lines.append(f"unavailable {fw}:{backend}: {reason}")

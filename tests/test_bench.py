@@ -62,6 +62,8 @@ def test_smoke_json_schema(smoke):
         assert isinstance(meta[key], kind), (key, meta[key])
     assert meta["peak_tflops"] > 0 and meta["peak_tbs"] > 0
     assert isinstance(meta["decode_crossover"], dict) and isinstance(meta["skipped"], list)
+    # the smoke run has JAX points: moe_jax was imported before torch ran, and says what it did to glibc's allocator
+    assert meta["jax_host_memory"] == __import__("moe_jax").host_memory.STATE
     assert meta["errors"] == [] and meta["complete"] is True
     assert set(RECORD_KEYS) == set(RECORD_TYPES)
     frameworks = {r["framework"] for r in records}
