@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import signal
@@ -179,7 +180,7 @@ def _import_moe_jax() -> None:
     which binds the threads that allocate after it, XLA's and torch's alike. (Where it cannot be imported, the JAX
     runner says why.)"""
     try:
-        import moe_jax  # noqa: F401
+        importlib.import_module("moe_jax")
     except ImportError:
         pass
 
