@@ -60,18 +60,9 @@ def gate_up_pdl_kernel(x_ptr, ids_ptr, w_ptr, S, act_ptr, E: tl.constexpr, H: tl
         return
     offs_n = (pid % num_n) * BN + tl.arange(0, BN)
     n_live = offs_n < I
-    offs_k = tl.arange(0, BK)
     x_row = x_ptr + (s // TOP_K).to(tl.int64) * H
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-    gate = tl.zeros([BN], dtype=tl.float32)
-    up = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        k_live = offs_k < H - k0
-        x = tl.load(x_row + k0 + offs_k, mask=k_live, other=0.0).to(tl.float32)
-        w_ptrs = w_rows + (k0 + offs_k)[None, :] * stride_wk
-        mask = n_live[:, None] & k_live[None, :]
-        gate += tl.sum(tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
-        up += tl.sum(tl.load(w_ptrs + I * stride_wn, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+    gate, up = moe._gate_up_dots(x_row, w_rows, n_live, w_ptr.dtype.element_ty, H, I, stride_wn, stride_wk, BN, BK)
     out = moe._activate(gate, ACTIVATION) * up
     tl.store(act_ptr + s.to(tl.int64) * I + offs_n, out.to(act_ptr.dtype.element_ty), mask=n_live)
 
@@ -123,18 +114,10 @@ def split_partial_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, part_ptr, E: tl.
         return
     offs_i = b * BI + tl.arange(0, BI)
     i_live = offs_i < I
-    offs_k = tl.arange(0, BK)
     x_row = x_ptr + (s // TOP_K).to(tl.int64) * H
     w_rows = gate_up_ptr + expert.to(tl.int64) * stride_we + offs_i[:, None] * stride_wn
-    gate = tl.zeros([BI], dtype=tl.float32)
-    up = tl.zeros([BI], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        k_live = offs_k < H - k0
-        x = tl.load(x_row + k0 + offs_k, mask=k_live, other=0.0).to(tl.float32)
-        w_ptrs = w_rows + (k0 + offs_k)[None, :] * stride_wk
-        mask = i_live[:, None] & k_live[None, :]
-        gate += tl.sum(tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
-        up += tl.sum(tl.load(w_ptrs + I * stride_wn, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+    gate, up = moe._gate_up_dots(x_row, w_rows, i_live, gate_up_ptr.dtype.element_ty, H, I, stride_wn, stride_wk,
+                                 BI, BK)
     act = (moe._activate(gate, ACTIVATION) * up).to(down_ptr.dtype.element_ty).to(tl.float32)
     act = tl.where(i_live, act, 0.0)
     d_cols = down_ptr + expert.to(tl.int64) * stride_de + offs_i[None, :] * stride_dk

@@ -526,6 +526,24 @@ def routing_grad_kernel(dout_ptr, y_ptr, ids_ptr, T, dw_ptr,
 # --- decode: a few slots, one GEMV per slot, no sort -------------------------------------------------------------
 
 @triton.jit
+def _gate_up_dots(x_row, w_rows, n_live, W_DTYPE: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                  stride_wn: tl.constexpr, stride_wk: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """(g, u), float32 [BN]: the gate rows at ``w_rows`` and the up rows I rows further, times the hidden row at
+    ``x_row`` (rounded to the weights' dtype), BK inputs at a time."""
+    offs_k = tl.arange(0, BK)
+    gate = tl.zeros([BN], dtype=tl.float32)
+    up = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        k_live = offs_k < H - k0
+        x = tl.load(x_row + k0 + offs_k, mask=k_live, other=0.0).to(W_DTYPE).to(tl.float32)
+        w_ptrs = w_rows + (k0 + offs_k)[None, :] * stride_wk
+        mask = n_live[:, None] & k_live[None, :]
+        gate += tl.sum(tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+        up += tl.sum(tl.load(w_ptrs + I * stride_wn, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+    return gate, up
+
+
+@triton.jit
 def decode_gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, S, act_ptr,
                           E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                           stride_we: tl.constexpr, stride_wn: tl.constexpr, stride_wk: tl.constexpr,
@@ -541,18 +559,9 @@ def decode_gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, S, act_ptr,
         return
     offs_n = (pid % num_n) * BN + tl.arange(0, BN)
     n_live = offs_n < I
-    offs_k = tl.arange(0, BK)
     x_row = x_ptr + (s // TOP_K).to(tl.int64) * H
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-    gate = tl.zeros([BN], dtype=tl.float32)
-    up = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        k_live = offs_k < H - k0
-        x = tl.load(x_row + k0 + offs_k, mask=k_live, other=0.0).to(w_ptr.dtype.element_ty).to(tl.float32)
-        w_ptrs = w_rows + (k0 + offs_k)[None, :] * stride_wk
-        mask = n_live[:, None] & k_live[None, :]
-        gate += tl.sum(tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
-        up += tl.sum(tl.load(w_ptrs + I * stride_wn, mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+    gate, up = _gate_up_dots(x_row, w_rows, n_live, w_ptr.dtype.element_ty, H, I, stride_wn, stride_wk, BN, BK)
     if HAS_BIAS:
         bias_row = bias_ptr + expert.to(tl.int64) * stride_bias_e
         gate += tl.load(bias_row + offs_n, mask=n_live, other=0.0).to(tl.float32)
