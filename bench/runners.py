@@ -155,10 +155,10 @@ class Runner(ABC):
     def graphed(self, backend: str, variant: Variant, call: Callable[[int], Any], n_sets: int,
                 rounds: int) -> list[float]:
         """Samples of ``graphed_ms`` for a forward series, or none where this runner has no such program for it:
-        the device time a call adds inside one program that a caller captured whole (a model's decode step as one
-        CUDA graph or one jitted function), without the program's own launch and dispatch. Each sample: (time of
-        the program making the calls of every input set - time of the program making the call of set 0) / (sets
-        - 1), the two programs run in turn."""
+        the time a call adds inside one program that a caller captured whole (a model's decode step as one CUDA
+        graph or one jitted function), without the program's own launch and dispatch. Each sample: (time of the
+        program making the calls of every input set - time of the program making the call of set 0) / (sets - 1),
+        the two programs run in turn."""
         return []
 
     def start_memory(self) -> None:
