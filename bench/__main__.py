@@ -75,8 +75,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="rounds of calls issued back to back over the input sets, timed per round (stream_ms); "
                         "as many samples of graphed_ms")
     p.add_argument("--graphed-max-tokens", type=int, default=256,
-                   help="forward points up to this many tokens also time graphed_ms: a call's device time within "
-                        "one captured program of the input sets' calls (a CUDA graph; a jitted function); 0: none")
+                   help="forward points up to this many tokens also time graphed_ms: what a call adds within one "
+                        "captured program of the input sets' calls (a CUDA graph, timed by CUDA events; a jitted "
+                        "function, on the host clock); 0: none")
     p.add_argument("--max-call-s", type=float, default=2.0, help="skip points estimated slower than this per call")
     p.add_argument("--max-point-s", type=float, default=15.0,
                    help="skip a series' larger token counts once a point took longer to warm up and time")
