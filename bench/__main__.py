@@ -28,7 +28,8 @@ from .crossover import crossover
 from .roofline import MODES
 from .peers import PEERS
 from .runners import COMPILE_PREFERENCE, RUNNERS, Timing
-from .sweep import Options, Results, default_memory_budget, point_key, run
+from .sweep import (FRAMEWORK_ORDERS, Options, Results, default_framework_order, default_memory_budget, point_key,
+                    run)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -71,6 +72,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="time every point of a config and token count this many times, interleaved with the other "
                         "series', and pool the samples: ours / theirs ratios then do not depend on when in the run "
                         "each series was timed (decode points move by tenths of a millisecond within a run)")
+    p.add_argument("--framework-order", choices=FRAMEWORK_ORDERS,
+                   help="'interleaved': the frameworks' points of each config and token count take turns (ratios "
+                        "between frameworks timed under the same machine state); 'sequential': every point of one "
+                        "framework, then the next's (each framework's memory released before the next allocates). "
+                        "Default: interleaved on cpu, sequential on cuda")
     p.add_argument("--stream-rounds", type=int, default=5,
                    help="rounds of calls issued back to back over the input sets, timed per round (stream_ms); "
                         "as many samples of graphed_ms")
@@ -139,6 +145,7 @@ def options(args: argparse.Namespace) -> Options:
         memory_budget=args.mem_budget_gib * GIB if args.mem_budget_gib else default_memory_budget(device),
         max_call_s=args.max_call_s, max_point_s=args.max_point_s, fail_fast=args.fail_fast, peers=not args.no_peers,
         resumed=resumed, resumed_skips=resumed_skips, rounds=args.rounds,
+        framework_order=args.framework_order or default_framework_order(device),
     )
 
 
@@ -212,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": environment.device_name(opts.device), "device_tag": environment.device_tag(opts.device),
         "device_class": opts.device.type, **environment.versions(), "commit": environment.commit(),
         "environment": environment.timing_environment(), "jax_host_memory": _host_memory(),
-        "date": started.isoformat(timespec="seconds"), "dtype": opts.dtype,
+        "date": started.isoformat(timespec="seconds"), "dtype": opts.dtype, "framework_order": opts.framework_order,
         "command": ["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)],
     }
     folder = args.out / meta["device_tag"]

@@ -3,8 +3,10 @@
 Token counts run in increasing order, so that ``SlowSeries`` can stop a series that gets too slow (un-jitted
 JAX, for one, compiles every op anew for each distinct expert row count: its warm-up grows with the experts hit).
 
-Frameworks run one after the other (all torch points, then all JAX points) so that one framework's memory is
-released before the next allocates; the float32 reference of each (config, tokens) is computed once.
+On a GPU, frameworks run one after the other (all torch points, then all JAX points) so that one framework's
+memory is released before the next allocates. On the CPU they take turns at each (config, tokens), in every round,
+so that the two frameworks' points of a ratio are timed minutes apart at most, under the same machine state
+(``--framework-order``). The float32 reference of each (config, tokens) is computed once.
 """
 
 from __future__ import annotations
@@ -49,6 +51,22 @@ class Options:
     resumed: Sequence[dict] = ()  # records of an earlier run (--resume): kept, and their points not run again
     resumed_skips: Sequence[dict] = ()  # points an earlier run skipped (--resume): kept as skipped, not tried again
     rounds: int = 1  # times every point of a (config, tokens) is timed, interleaved; its samples pooled
+    framework_order: str = "sequential"  # FRAMEWORK_ORDERS
+
+
+FRAMEWORK_ORDERS = ("sequential", "interleaved")
+
+
+def default_framework_order(device: torch.device) -> str:
+    """Interleaved on the CPU; sequential on a GPU, where torch's and XLA's allocators each keep what they took."""
+    return "interleaved" if device.type == "cpu" else "sequential"
+
+
+def framework_groups(frameworks: Sequence[str], order: str) -> list[tuple[str, ...]]:
+    """The frameworks whose points are timed together, group after group."""
+    if order not in FRAMEWORK_ORDERS:
+        raise ValueError(f"framework_order: expected one of {FRAMEWORK_ORDERS}, got {order!r}")
+    return [tuple(frameworks)] if order == "interleaved" else [(fw,) for fw in frameworks]
 
 
 def point_key(record: dict) -> tuple:
@@ -172,9 +190,9 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
     slow = SlowSeries(opts.max_point_s)
     bar = progress(len(points))
     try:
-        for fw, runner in runners.items():
+        for group in framework_groups(list(runners), opts.framework_order):
             for cfg in opts.configs:
-                mine = [p for p in points if p.framework == fw and p.cfg == cfg]
+                mine = [p for p in points if p.framework in group and p.cfg == cfg]
                 if not mine:
                     continue
                 weights = inputs.make_weights(cfg, dtype, opts.device, opts.seed)
@@ -184,28 +202,37 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
                     if (cfg.name, tokens) not in references:
                         references[cfg.name, tokens] = inputs.reference(weights, sets[0])
                     hits = statistics.fmean(s.hit_experts for s in sets)
-                    try:
-                        runner.load(weights, sets)
-                    except Exception as err:  # noqa: BLE001  (reported for each point; --fail-fast re-raises)
-                        if opts.fail_fast:
-                            raise
-                        _fail(here, err, "loading the inputs", results, bar)
-                        bar.update(len(here))
-                        continue
+                    loaded = []
+                    for fw in group:
+                        theirs = [p for p in here if p.framework == fw]
+                        if not theirs:
+                            continue
+                        try:
+                            runners[fw].load(weights, sets)
+                            loaded.append(fw)
+                        except Exception as err:  # noqa: BLE001  (reported for each point; --fail-fast re-raises)
+                            if opts.fail_fast:
+                                raise
+                            _fail(theirs, err, "loading the inputs", results, bar)
+                            bar.update(len(theirs))
                     del sets
                     measured: dict[Point, list[Measurement]] = {}
                     for p in here:
-                        reason = slow.reason(_series_key(p), hits, runner.recompiles_per_routing(p.variant))
+                        if p.framework not in loaded:
+                            continue
+                        recompiles = runners[p.framework].recompiles_per_routing(p.variant)
+                        reason = slow.reason(_series_key(p), hits, recompiles)
                         if reason is None:
                             measured[p] = []
                         else:
-                            results.skipped.append(_where(fw, p.backend, cfg, tokens, p.mode, p.variant)
+                            results.skipped.append(_where(p.framework, p.backend, cfg, tokens, p.mode, p.variant)
                                                    | {"reason": reason})
                             bar.update(1)
                     for round_ in range(opts.rounds):  # the series take turns; each point recorded after its last
                         for p in list(measured):
-                            bar.set_description(f"{cfg.name} {series(fw, p.backend, p.variant, p.mode)} T={tokens}")
-                            m = _measure_point(p, runner, opts, results, bar)
+                            bar.set_description(f"{cfg.name} {series(p.framework, p.backend, p.variant, p.mode)} "
+                                                f"T={tokens}")
+                            m = _measure_point(p, runners[p.framework], opts, results, bar)
                             if m is None:  # skipped (out of memory) or failed: recorded, and written out now
                                 del measured[p]
                                 if checkpoint is not None:
@@ -221,9 +248,11 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
                                     checkpoint(results)
                             if round_ == 0:
                                 bar.update(1)
-                    runner.release()
+                    for fw in loaded:
+                        runners[fw].release()
                 del weights
-                runner.release()
+                for fw in group:
+                    runners[fw].release()
     finally:
         bar.close()
     return results

@@ -697,6 +697,45 @@ def test_rounds_interleave_the_series_and_pool_their_samples(tmp_path, monkeypat
         main(argv + ["--rounds", "0"])
 
 
+def test_framework_order_interleaves_the_frameworks_at_each_token_count(tmp_path, monkeypatch):
+    """--framework-order interleaved (the CPU's default): at each token count the frameworks' series take turns in
+    every round, so a ratio's two points are timed under the same machine state; sequential (the GPU's): every
+    point of torch, then every point of JAX. Each point is recorded either way, with its own timings."""
+    import torch
+    from bench import sweep
+
+    order = []
+    real_measure = runners.Runner.measure
+
+    def measure(self, backend, mode, variant, n_sets, timing):
+        order.append((self.framework, self.tokens))
+        return real_measure(self, backend, mode, variant, n_sets, timing)
+
+    monkeypatch.setattr(runners.Runner, "measure", measure)
+    argv = ["--config", "tiny", "--tokens", "2,4", "--device", "cpu", "--frameworks", "torch,jax", "--backends",
+            "grouped_mm", "--modes", "fwd", "--no-peers", "--min-reps", "1", "--max-reps", "1", "--min-time", "0",
+            "--sets", "1", "--stream-rounds", "1", "--graphed-max-tokens", "0", "--no-plot", "--rounds", "2"]
+    expected = {
+        None: [("torch", 2), ("jax", 2)] * 2 + [("torch", 4), ("jax", 4)] * 2,
+        "sequential": [("torch", 2)] * 2 + [("torch", 4)] * 2 + [("jax", 2)] * 2 + [("jax", 4)] * 2,
+    }
+    for flag, sequence in expected.items():
+        order.clear()
+        out = tmp_path / str(flag)
+        assert main(argv + ["--out", str(out)] + ([] if flag is None else ["--framework-order", flag])) == 0
+        assert order == sequence
+        (path,) = out.glob("*/*-tiny.json")
+        data = json.loads(path.read_text())
+        assert data["meta"]["framework_order"] == (flag or "interleaved")
+        assert sorted((r["framework"], r["tokens"]) for r in data["records"]) == sorted(set(sequence))
+    with pytest.raises(SystemExit):
+        main(argv + ["--framework-order", "random"])
+    assert sweep.framework_groups(["torch", "jax"], "interleaved") == [("torch", "jax")]
+    assert sweep.default_framework_order(torch.device("cuda")) == "sequential"
+    with pytest.raises(ValueError, match="framework_order: expected one of .* got 'both'"):
+        sweep.framework_groups(["torch"], "both")
+
+
 def test_jax_points_on_cpu_run_with_torch_on_one_thread():
     """While a JAX point is built and timed on the CPU, torch is on one thread (its idle OpenMP threads would
     compete with XLA's for the cores), and its thread count is restored afterwards, also when the point fails."""
