@@ -35,6 +35,18 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def stolen_seconds(stat: Path = Path("/proc/stat")) -> float | None:
+    """CPU time the hypervisor has taken from this machine's CPUs, all of them together, since boot (the ``steal``
+    column of /proc/stat's ``cpu`` line); None where the kernel does not report it."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -13,9 +13,11 @@ from .runners import JIT, series
 
 RECORD_KEYS = ("framework", "backend", "library", "peer", "config", "hidden", "intermediate", "experts", "top_k",
                "tokens", "dtype", "mode", "compiled", "compile_mode", "ms", "stream_ms", "wall_ms", "floor_ms",
-               "tflops", "peak_mem_gib", "rel_err", "cudagraph_skips", "graphed_ms")
+               "tflops", "peak_mem_gib", "rel_err", "cudagraph_skips", "graphed_ms", "cpu_steal")
 _MARKERS = {"torch": "o", "jax": "s"}
 _PEER_MARKER = "x"
+# a point timed while the hypervisor took more than this share of the machine's CPU time is named in the summary
+STEAL_NOTED = 0.01
 META_KEYS = ("device", "torch", "jax", "triton", "commit", "date", "peak_tflops", "peak_tbs")
 
 
@@ -128,6 +130,11 @@ def summary(meta: Mapping, unavailable: Mapping[str, Mapping[str, str]], skipped
         lines.append(f"no CUDA graphs {cfg} {name} {_tokens([r['tokens'] for r in group])}: inductor ran "
                      f"{sum(r['cudagraph_skips'] for r in group)} compiled graph(s) without the CUDA graphs of "
                      f"mode {variant_of(group[0])} (its 'skipping cudagraphs due to' warnings say why)")
+    for r in sorted(records, key=_sort_key):
+        if (r.get("cpu_steal") or 0) > STEAL_NOTED:
+            name = series(r["framework"], r["backend"], variant_of(r), r["mode"])
+            lines.append(f"hypervisor steal {r['config']} {name} T={r['tokens']}: {100 * r['cpu_steal']:.1f}% of the "
+                         f"CPUs' time was taken from the machine while it was timed (its times may be high)")
     for e in errors:
         lines.append(f"ERROR {e['config']} {series(e['framework'], e['backend'], variant_of(e), e['mode'])} "
                      f"T={e['tokens']}: {e['error']}")

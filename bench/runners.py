@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -24,6 +25,7 @@ import moe_torch
 from moe_shared import load_spec
 from moe_torch import ExpertsInterface
 
+from . import environment
 from .budget import GIB
 from .inputs import InputSet, Weights
 from .peers import PEERS, peers_of, tokamax_weights
@@ -52,6 +54,15 @@ class Measurement:
     # in a CUDA-graph compile mode where those graphs apply: how many compiled graphs ran without them
     cudagraph_skips: int | None = None
     graphed_ms: list[float] = ()  # per call within one captured program of the input sets' calls (Runner.graphed)
+    timed_s: float = 0.0  # wall time of the timed calls (alone, back to back, graphed)
+    stolen_s: float | None = None  # CPU time the hypervisor took from the machine meanwhile (None: not reported)
+
+    @property
+    def cpu_steal(self) -> float | None:
+        """The share of the machine's CPU time the hypervisor took while the calls were timed."""
+        if self.stolen_s is None or self.timed_s <= 0:
+            return None
+        return self.stolen_s / (self.timed_s * (os.cpu_count() or 1))
 
     @property
     def median_ms(self) -> float:
@@ -206,6 +217,7 @@ class Runner(ABC):
         self.start_memory()
         samples: list[float] = []
         walls: list[float] = []
+        stolen_before = environment.stolen_seconds()
         start = time.perf_counter()
         while len(samples) < timing.max_reps and (len(samples) < timing.min_reps
                                                   or time.perf_counter() - start < timing.min_time):
@@ -218,10 +230,13 @@ class Runner(ABC):
         stream = [self.clock_stream(call, n_sets) for _ in range(timing.stream_rounds)]
         graphed = (self.graphed(backend, variant, call, n_sets, timing.stream_rounds)
                    if mode == "fwd" and n_sets > 1 and self.tokens <= timing.graphed_max_tokens else [])
+        timed_s = time.perf_counter() - start
+        stolen_after = environment.stolen_seconds()
         return Measurement(samples, peak, output, run_s=time.perf_counter() - setup_end, stream_ms=stream,
                            wall_ms=walls,
                            cudagraph_skips=None if skips_before is None else self.cudagraph_skips() - skips_before,
-                           graphed_ms=graphed)
+                           graphed_ms=graphed, timed_s=timed_s,
+                           stolen_s=None if None in (stolen_before, stolen_after) else stolen_after - stolen_before)
 
 
 def marginal_samples(clock_all: Callable[[], float], clock_one: Callable[[], float], n_sets: int,

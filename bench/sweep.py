@@ -290,15 +290,19 @@ def _measure_point(p: Point, runner: Runner, opts: Options, results: Results, ba
 
 
 def _pooled(measurements: Sequence[Measurement]) -> Measurement:
-    """The rounds of one point as one measurement: every round's samples, the largest peak, the first output."""
+    """The rounds of one point as one measurement: every round's samples, the largest peak, the first output, the
+    rounds' timed and stolen seconds summed."""
     peaks = [m.peak_mem_gib for m in measurements if m.peak_mem_gib is not None]
     skips = [m.cudagraph_skips for m in measurements if m.cudagraph_skips is not None]
+    stolen = [m.stolen_s for m in measurements]
     return Measurement([ms for m in measurements for ms in m.ms], max(peaks) if peaks else None,
                        measurements[0].output, sum(m.run_s for m in measurements),
                        stream_ms=[ms for m in measurements for ms in m.stream_ms],
                        wall_ms=[ms for m in measurements for ms in m.wall_ms],
                        cudagraph_skips=sum(skips) if skips else None,
-                       graphed_ms=[ms for m in measurements for ms in m.graphed_ms])
+                       graphed_ms=[ms for m in measurements for ms in m.graphed_ms],
+                       timed_s=sum(m.timed_s for m in measurements),
+                       stolen_s=None if None in stolen else sum(stolen))
 
 
 def _record_point(p: Point, m: Measurement, peaks: roofline.Peaks, hits: float, dtype: str, itemsize: int,
@@ -317,6 +321,7 @@ def _record_point(p: Point, m: Measurement, peaks: roofline.Peaks, hits: float, 
         "floor_ms": roofline.floor_ms(n_flops, n_bytes, peaks.tflops, peaks.tbs),
         "tflops": n_flops / (ms * 1e-3) / 1e12, "peak_mem_gib": m.peak_mem_gib,
         "rel_err": relative_l2(m.output, reference), "cudagraph_skips": m.cudagraph_skips,
+        "cpu_steal": m.cpu_steal,
     })
     return m.run_s
 

@@ -29,7 +29,7 @@ RECORD_TYPES = {
     "intermediate": int, "experts": int, "top_k": int, "tokens": int, "dtype": str, "mode": str, "compiled": bool,
     "compile_mode": (str, type(None)), "ms": float, "floor_ms": float, "tflops": float,
     "peak_mem_gib": (float, type(None)), "rel_err": float, "stream_ms": float, "wall_ms": float,
-    "cudagraph_skips": (int, type(None)), "graphed_ms": (float, type(None)),
+    "cudagraph_skips": (int, type(None)), "graphed_ms": (float, type(None)), "cpu_steal": (float, type(None)),
 }
 META_TYPES = {
     "device": str, "torch": str, "jax": (str, type(None)), "triton": (str, type(None)),
@@ -109,6 +109,50 @@ def test_timing_environment_names_the_allocator_and_thread_settings(monkeypatch)
     assert found == {"MALLOC_ARENA_MAX": "1", "MOE_EXPERTS_HUGE_PAGES": "0"}
     meta = {"device": "cpu", "peak_tflops": 1.0, "peak_tbs": 1.0, "dtype": "bfloat16", "environment": found}
     assert "environment: MALLOC_ARENA_MAX=1 MOE_EXPERTS_HUGE_PAGES=0" in report.summary(meta, {}, [], [], {})
+
+
+def test_stolen_seconds_reads_the_steal_column_of_proc_stat(tmp_path):
+    import os
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 20 300 4 0 1 250 0 0\ncpu0 5 0 10 150 2 0 1 125 0 0\n")
+    assert environment.stolen_seconds(stat) == pytest.approx(250 / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("intr 1 2 3\n")
+    assert environment.stolen_seconds(stat) is None
+    assert environment.stolen_seconds(tmp_path / "absent") is None
+    if Path("/proc/stat").exists():
+        assert environment.stolen_seconds() >= 0
+
+
+def test_points_record_the_cpu_time_the_hypervisor_took_while_they_were_timed(monkeypatch):
+    """cpu_steal: the steal counter's growth over the timed calls, as a share of the machine's CPU time over them;
+    rounds pooled by summing; None where the kernel reports no steal; the summary names points above STEAL_NOTED."""
+    import os
+
+    import torch
+    from bench import sweep
+    from bench.inputs import make_sets, make_weights
+
+    counter = iter([100.0, 100.5, 200.0, 200.25])
+    monkeypatch.setattr(environment, "stolen_seconds", lambda: next(counter))
+    runner = runners.TorchRunner(torch.device("cpu"))
+    config = CONFIGS["tiny"]
+    runner.load(make_weights(config, torch.bfloat16, torch.device("cpu"), seed=0),
+                make_sets(config, 4, torch.bfloat16, torch.device("cpu"), seed=0, count=1))
+    timing = runners.Timing(warmup=1, min_reps=2, max_reps=2, min_time=0.0, stream_rounds=1)
+    first, second = (runner.measure("grouped_mm", "fwd", None, 1, timing) for _ in range(2))
+    assert (first.stolen_s, second.stolen_s) == (0.5, 0.25) and first.timed_s > 0
+    assert first.cpu_steal == pytest.approx(0.5 / (first.timed_s * os.cpu_count()))
+    pooled = sweep._pooled([first, second])
+    assert pooled.stolen_s == 0.75 and pooled.timed_s == pytest.approx(first.timed_s + second.timed_s)
+    assert sweep._pooled([first, runners.Measurement([1.0], None, first.output, 0.1)]).cpu_steal is None
+    record = {"framework": "torch", "backend": "grouped_mm", "config": "tiny", "tokens": 4, "mode": "fwd",
+              "compiled": False, "compile_mode": None, "cudagraph_skips": None}
+    meta = {"device": "cpu", "device_class": "cpu", "peak_tflops": 1.0, "peak_tbs": 1.0, "dtype": "bfloat16"}
+    noted = report.summary(meta, {}, [], [], {}, [record | {"cpu_steal": 0.25}, record | {"tokens": 8, "cpu_steal":
+                                                                                        report.STEAL_NOTED / 2}])
+    assert "hypervisor steal tiny torch:grouped_mm:fwd T=4: 25.0% of the CPUs' time" in noted
+    assert "T=8" not in noted
 
 
 def test_smoke_has_the_transformers_peers_on_the_same_inputs(smoke):
