@@ -706,26 +706,22 @@ _TRAINED_SETS = [("hidden_states",), ("top_k_weights",), ("down_proj",), ("gate_
 
 
 @pytest.mark.parametrize("trained", _TRAINED_SETS, ids=lambda t: "+".join(t))
-@pytest.mark.parametrize("path", ["in-place", "gathered", "cuda-sorted", "chunked"])
+@pytest.mark.parametrize("path", ["in-place", "gathered", "cuda-sorted"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batched_mm_training_step_is_one_node_with_the_composed_bits(trained, path, dtype, monkeypatch):
     """Training with a named activation runs as one autograd node whose inputs' gradients go straight to them, and
     gives the bits of the composed path (each step recorded by autograd) in the forward and every gradient: on the
-    CPU's path (one matmul per slot on the weights in place, nothing gathered), with the weights gathered at once
-    and in chunks (compiled on the CPU), and on the CUDA one (gathered; sorted input gradients, K-grouped weight
+    CPU's path (one matmul per slot on the weights in place, nothing gathered), with the weights gathered (the
+    path inductor fuses on the CPU), and on the CUDA one (gathered; sorted input gradients, K-grouped weight
     gradients); empty slots and an idle expert included."""
     from moe_torch import base
     from moe_torch.backends import batched_mm
 
-    if path == "in-place":
-        monkeypatch.setattr(batched_mm, "_chunks", None)  # nothing gathers weights (in chunks or at once)
-    else:
+    if path != "in-place":
         monkeypatch.setattr(batched_mm, "IN_PLACE_DEVICES", ())
     if path == "cuda-sorted":
         monkeypatch.setattr(batched_mm, "SORTED_INPUT_GRAD", ("cpu",))
         monkeypatch.setattr(grouped_mm_backend, "K_GROUPED_DEVICES", ("cpu",))
-    if path == "chunked":
-        monkeypatch.setitem(batched_mm.CHUNK_BYTES, "cpu", 3 * 24 * 16 * 4)  # three slots' weights per bmm
     def forward(tensors, fused):
         if fused:
             return experts_forward(**tensors, implementation="batched_mm")
@@ -782,19 +778,47 @@ def test_grouped_mm_training_step_is_one_node_with_the_composed_bits(trained, k_
         assert_close(f"grad_{name}", fused[1 + trained.index(name)].float(), expected[name], dtype)
 
 
-def test_batched_mm_gathers_in_cache_sized_chunks_but_at_most_max_chunks():
-    """Compiled on the CPU, batched_mm gathers the weights of as many slots as fit CHUNK_BYTES per bmm, and in larger
-    chunks where that would make more than MAX_CHUNKS (each chunk is a bmm in the compiled graph)."""
-    from moe_torch.backends import batched_mm
+def test_compiled_batched_mm_on_the_cpu_fuses_the_gather_into_its_products():
+    """Compiled on the CPU, batched_mm's per-slot products are one gathered-weights bmm per projection whatever the
+    size (here 20 MB of weights gathered, which compiled calls once split into bmms of 4 MB), which inductor fuses with
+    the gather into GEMV loops reading each slot's expert weights in place: the generated code, forward and
+    training, calls no bmm kernel (no gathered [T*k, N, K] buffer), and the results are within the tolerance table."""
+    from torch._inductor.utils import run_and_get_code
+    from moe_shared import reference
 
-    table = torch.empty(4, 768, 1024, dtype=torch.bfloat16)  # 1.5 MB per slot: two slots per 4 MB
-    few = batched_mm._chunks(16, table)
-    assert [(c.start, c.stop) for c in few] == [(s, s + 2) for s in range(0, 16, 2)]
-    many = batched_mm._chunks(8190, table)
-    assert len(many) == batched_mm.MAX_CHUNKS
-    assert [c.start for c in many[1:]] == [c.stop for c in many[:-1]] == list(range(128, 8190, 128))
-    assert many[0].start == 0 and many[-1].stop >= 8190
-    assert batched_mm._chunks(2, table) is None
+    arrays, dy = random_case(29, T=40, H=256, I=128, E=8, k=4, bias=False, empty_fraction=0.1)
+    expected = reference.experts_forward(**arrays)
+    grads = reference.experts_backward(**arrays, grad_output=dy)
+    tensors = to_torch(arrays, "bfloat16")
+    graphs = []
+
+    def recording_backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(lambda **kw: experts_forward(**kw, implementation="batched_mm"), fullgraph=True,
+                      backend=recording_backend)(**tensors)
+    (graph,) = graphs
+    assert sum(node.target in (torch.bmm, torch.ops.aten.bmm.default) for node in graph.graph.nodes) == 2
+    trained = ("hidden_states", "top_k_weights", "gate_up_proj", "down_proj")
+    for name in trained:
+        tensors[name].requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda **kw: experts_forward(**kw, implementation="batched_mm"), fullgraph=True)
+
+    def step():
+        out = compiled(**tensors)
+        out.backward(to_torch({"g": dy}, "bfloat16")["g"])
+        return out
+
+    out, codes = run_and_get_code(step)
+    assert len(codes) == 2 and all("cpp_fused" in code for code in codes)  # the forward's graph and the backward's
+    assert not any("bmm" in line for code in codes for line in code.splitlines() if "extern_kernels" in line)
+    assert_close("out", out.detach().float(), expected, "bfloat16")
+    for name in trained:
+        assert_close(f"grad_{name}", tensors[name].grad.float(), grads[name], "bfloat16")
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])

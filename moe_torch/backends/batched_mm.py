@@ -5,14 +5,15 @@ GEMM per projection whose batch entries point at each slot's expert weights wher
 where its dtypes and alignment hold; compiled, the opaque op ``moe_torch::slot_products``, or at up to
 COMPILED_FUSED_SLOTS slots the gathered weights' batched matmul, which inductor fuses with the gather). On the CPU,
 uncompiled, nothing is gathered either: each slot takes one matmul on its expert's weights in place (IN_PLACE_DEVICES;
-in bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled on the CPU, and
-elsewhere, the weights are gathered (T*k copies of an expert's) and run through torch.bmm; on the CPU in chunks whose
-gathered weights stay in cache (a few MB each, never one huge buffer). Training keeps no gathered weights: the backward
+in bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled on the CPU, the
+gathered weights' torch.bmm, which inductor fuses with the gather into one GEMV per slot reading its expert's weights
+in place (no gathered buffer; transformers' batched_mm compiles to the same kernel); elsewhere the weights are
+gathered (T*k copies of an expert's) and run through torch.bmm. Training keeps no gathered weights: the backward
 sums each expert's weight gradient as one matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K]
 gradient; on CUDA one K-grouped ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those
-sorted rows, on the CPU through the forward's way again (in place, or gathered in chunks when compiled). Training with a
-named activation and no biases runs as one autograd node (``moe_torch.training_step``: the composed path's ops and bits,
-one node's host cost), or within the spec's training_graphs bound on CUDA as training graphs.
+sorted rows, on the CPU through the forward's way again (in place, or fused with the gather when compiled). Training
+with a named activation and no biases runs as one autograd node (``moe_torch.training_step``: the composed path's ops
+and bits, one node's host cost), or within the spec's training_graphs bound on CUDA as training graphs.
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ from ..base import (Slots, add_bias, as_dtype, combine, combine_grads, expert_en
 from .grouped_mm import grouped_linear, grouped_weight_grad
 
 NAME = "batched_mm"
-CHUNK_BYTES = {"cpu": 4 << 20}  # gathered weights per torch.bmm; one bmm for every slot on other devices
-# at most this many chunks (larger ones past it): compiled, the chunk loop is unrolled into the graph, and qwen3-cpu's
-# forward at T=1024 (4096 chunks of two slots' gate/up weights) had not compiled after ten minutes
-MAX_CHUNKS = 64
 # devices where, uncompiled, each slot takes one matmul on its expert's weights where they lie: on the CPU, gathering
 # the weights costs as much as the matmuls (qwen3-cpu forward: 6.1 against 19.2 ms at T=4, 90 against 294 at T=64)
 IN_PLACE_DEVICES = ("cpu",)
@@ -42,16 +39,6 @@ SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient
 # the fused form 1.01 in both; at T=64 slot_blas 0.47 with graphs and 0.53 without, the fused form 1.01 (the
 # gathered weights of 512 slots: transformers' own form, 1.6 ms)
 COMPILED_FUSED_SLOTS = {"cuda": 64}
-
-
-def _chunks(slots: int, table: torch.Tensor) -> list[slice] | None:
-    """The slot ranges whose gathered weights fit CHUNK_BYTES, at most MAX_CHUNKS of them; None for one range of
-    every slot."""
-    limit = CHUNK_BYTES.get(table.device.type)
-    if limit is None:
-        return None
-    size = max(1, limit // max(1, table.shape[1] * table.shape[2] * table.element_size()), -(-slots // MAX_CHUNKS))
-    return None if size >= slots else [slice(start, start + size) for start in range(0, slots, size)]
 
 
 def _in_place(table: torch.Tensor) -> bool:
@@ -79,18 +66,10 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
     matrices = table.transpose(1, 2) if transpose else table
     if _on_slot_blas(x, matrices, x.shape[0]):
         return slot_blas.products(x, matrices, ids, order=order)
-    chunks = _chunks(x.shape[0], table)
-    if chunks is None:  # one gather, one bmm, no slicing: the fewest ops per call (decode is host-bound)
-        return (torch.bmm(x.unsqueeze(1), table[ids]).squeeze(1) if transpose
-                else torch.bmm(table[ids], x.unsqueeze(2)).squeeze(2))
-    out = x.new_empty(x.shape[0], table.shape[2] if transpose else table.shape[1])
-    for part in chunks:
-        weights = table[ids[part]]
-        if transpose:
-            torch.bmm(x[part].unsqueeze(1), weights, out=out[part].unsqueeze(1))
-        else:
-            torch.bmm(weights, x[part].unsqueeze(2), out=out[part].unsqueeze(2))
-    return out
+    # one gather and one bmm: the fewest ops per call (decode is host-bound); compiled, inductor makes the two one
+    # GEMV per slot reading its expert's weights in place (no gathered buffer), as it does transformers' batched_mm
+    return (torch.bmm(x.unsqueeze(1), table[ids]).squeeze(1) if transpose
+            else torch.bmm(table[ids], x.unsqueeze(2)).squeeze(2))
 
 
 class _SortedSlots:
@@ -118,8 +97,8 @@ def _linear_grads(grad: torch.Tensor, sorted_x: torch.Tensor | None, table: torc
     """The gradients of out[s] = table[ids[s]] @ x[s] from the output gradient [S, N]: (the input's [S, K], the
     operands of the table's [E, N, K] for ``_table_grad``), None where not needed. The output gradient's rows sorted
     by expert give the table's, and on the devices of ``SORTED_INPUT_GRAD`` the input's too, as one grouped matmul on
-    the table as stored (no gathered weights); elsewhere the input's gathers the weights again, in cache-sized
-    chunks. ``slots``: the slots sorted by expert, needed for the table's gradient and the sorted input gradient;
+    the table as stored (no gathered weights); elsewhere the input's goes through the forward's way again.
+    ``slots``: the slots sorted by expert, needed for the table's gradient and the sorted input gradient;
     ``sorted_x``: the input's rows in that order, needed for the table's gradient."""
     grad = grad.contiguous()
     sorted_input_grad = need_input and grad.device.type in SORTED_INPUT_GRAD
@@ -195,7 +174,7 @@ def _first_projection(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, s
 def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: int, k: int,
                     per_slot: bool, order: torch.Tensor | None = None) -> torch.Tensor:
     """table[ids[s]] @ x[s // k] for every slot s, not differentiated. On the CPU row kernel: each slot's row read
-    from x (no copy per slot; the same products either way). On one chunk and without ``per_slot``: each token's k
+    from x (no copy per slot; the same products either way). Uncompiled without ``per_slot``: each token's k
     gathered matrices as one [k*N, K] matrix times the token's row (no copy of x per slot); else a row per slot (the
     products the differentiated path computes), which compiled is also the inference form: one GEMV per slot,
     each reading its expert's weights, the form inductor fuses with the gather (as in transformers' batched_mm)."""
@@ -203,7 +182,7 @@ def _token_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, T: 
         return _rows_on_kernel(x, table, ids, slots_per_row=k)
     if _on_slot_blas(x, table, T * k):  # each slot's row read from x: the products of the per-slot path, no copy of x
         return slot_blas.products(x, table, ids, rows_per_x=k, order=order)
-    if not per_slot and not _in_place(table) and _chunks(T * k, table) is None and not torch.compiler.is_compiling():
+    if not per_slot and not _in_place(table) and not torch.compiler.is_compiling():
         N, K = table.shape[1:]
         return torch.bmm(table[ids].reshape(T, k * N, K), x.unsqueeze(2)).view(T * k, N)
     return _slot_products(_per_slot(x, T, k), table, ids, order=order)
