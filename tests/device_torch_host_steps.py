@@ -78,9 +78,8 @@ def measure(shape: str, T: int, calls: int) -> dict:
             kernels = backend._kernels()
             where = timed("launch_place", lambda: backend._launch_place(x.device))
             for i, step in enumerate(plan.steps):
-                outputs = timed(f"{i}:{step.kernel}:buffers", lambda step=step: [
-                    (torch.zeros if (j in step.zeroed or not step.grid) else torch.empty)(
-                        b.shape, dtype=dtypes[b.dtype], device=x.device) for j, b in enumerate(step.outputs)])
+                outputs = timed(f"{i}:{step.kernel}:buffers",
+                                lambda step=step: backend.step_outputs(step, dtypes, x.device))
                 args = [env[a] if isinstance(a, str) else a for a in step.inputs] + outputs
                 timed(f"{i}:{step.kernel}:launch",
                       lambda step=step, args=args: backend._launch(getattr(kernels, step.kernel), step, args, where))

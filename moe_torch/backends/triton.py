@@ -79,13 +79,18 @@ def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None
         triton.set_allocator(_descriptor_workspace)  # a context variable: set in the thread that launches
     where = _launch_place(device) if kernels is not None else None
     for step in plan.steps:
-        outputs = [(torch.zeros if (i in step.zeroed or not step.grid) else torch.empty)(
-            b.shape, dtype=dtypes[b.dtype], device=device) for i, b in enumerate(step.outputs)]
+        outputs = step_outputs(step, dtypes, device)
         if step.grid:
             _launch(getattr(kernels, step.kernel), step, [env[a] if isinstance(a, str) else a for a in step.inputs]
                     + outputs, where)
         env.update((b.name, t) for b, t in zip(step.outputs, outputs))
     return env
+
+
+def step_outputs(step: plans.Step, dtypes: dict, device: torch.device) -> list[torch.Tensor]:
+    """A plan step's output buffers: zeros where the step asks for them or launches nothing, else uninitialised."""
+    return [(torch.zeros if (i in step.zeroed or not step.grid) else torch.empty)(
+        b.shape, dtype=dtypes[b.dtype], device=device) for i, b in enumerate(step.outputs)]
 
 
 def _launch_place(device: torch.device) -> tuple[int, int | None]:
