@@ -7,8 +7,10 @@ tests/device_triton_check.py.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
+import math
 from dataclasses import replace
 from functools import partial
 
@@ -671,6 +673,125 @@ def test_triton_launch_hooks_keep_triton_s_launch_wrapper():
     finally:
         chain.remove(print)
     assert torch_triton_backend._launch_place(torch.device("cpu")) == (-1, None)
+
+
+def _tensor_at(address: int, shape, dtype) -> torch.Tensor:
+    """A tensor over the host memory at ``address`` (owned by a live tensor)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=dtype).view(shape)
+
+
+def _launches_from_addresses(monkeypatch) -> dict:
+    """The binding's CUDA launch path stood in for on the CPU: a stream for every call, and each step's first
+    launch runs under the interpreter as before and gives, as its direct launch, one that rebuilds the step's
+    tensors from the addresses it is passed (with the shapes and dtypes of that first launch's tensors) and runs
+    the kernel on them under the interpreter. Returns the counts of the launches of each kind."""
+    counts = {"plan": 0, "addresses": 0}
+    launch = torch_triton_backend._launch
+
+    def launch_then_bind(kernel, step, args, where):
+        counts["plan"] += 1
+        assert launch(kernel, step, args, where) is None  # the interpreter compiles nothing
+        layout = [(a.shape, a.dtype) if isinstance(a, torch.Tensor) else None for a in args]
+
+        def from_addresses(grid, stream, values, constants):
+            counts["addresses"] += 1
+            assert (grid, stream, constants) == (step.grid, 1234, ["constants"])
+            tensors = [v if spec is None else _tensor_at(v, *spec) for v, spec in zip(values, layout, strict=True)]
+            kernel[(grid,)](*tensors, num_warps=step.num_warps, num_stages=step.num_stages, **step.constants)
+        return from_addresses, ["constants"]
+
+    monkeypatch.setattr(torch_triton_backend, "_launch", launch_then_bind)
+    monkeypatch.setattr(torch_triton_backend, "_launch_place", lambda device: (0, 1234))
+    monkeypatch.setattr(torch_triton_backend, "_BOUND", {})
+    return counts
+
+
+@pytest.mark.parametrize("name", ["bfloat16-uniform-T1", "bfloat16-empty-slots-T64", "float32-one-expert-T64",
+                                  "float16-half-aligned-T9"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_bound_plan_launches_from_addresses_with_the_bits_of_the_plan(name, deterministic, monkeypatch):
+    """Eager inference on CUDA binds a call's plan at its first call and later runs it from addresses: its output
+    alone, every other buffer in one workspace. Here the launches rebuild tensors from those addresses (on the
+    CPU, under the interpreter): the bound call launches every step once from addresses and gives the plan's bits
+    (decode and sorted paths, biases, empty slots, the atomic combine's zeroed output)."""
+    case = next(c for c in CASES if c.name == name)
+    counts = _launches_from_addresses(monkeypatch)
+    ts = to_torch(case.inputs, case.dtype)
+    first = torch_triton_backend.experts_forward(**ts, deterministic=deterministic)
+    steps = counts["plan"]
+    assert steps and counts["addresses"] == 0 and list(torch_triton_backend._BOUND.values())[0] is not None
+    bound = torch_triton_backend.experts_forward(**ts, deterministic=deterministic)
+    assert counts == {"plan": steps, "addresses": steps}
+    assert torch.equal(first, bound)
+    tol = SPEC.tolerance_for(case.dtype)
+    assert relative_l2(bound.double().numpy(), case.expected["out"]) <= tol
+
+
+def test_bound_plans_are_kept_per_shape_alignment_and_option(monkeypatch):
+    """Another shape, an input at another address modulo 16 (triton specializes on it) or another option binds
+    again; a call with no tokens runs its plan (its steps launch nothing) and is never bound."""
+    counts = _launches_from_addresses(monkeypatch)
+    ts = to_torch(next(c for c in CASES if c.name == "bfloat16-uniform-T64").inputs, "bfloat16")
+    torch_triton_backend.experts_forward(**ts)
+    torch_triton_backend.experts_forward(**ts)
+    assert len(torch_triton_backend._BOUND) == 1
+    shifted = torch.empty(ts["hidden_states"].numel() + 1, dtype=torch.bfloat16)[1:]
+    shifted = shifted.view(ts["hidden_states"].shape).copy_(ts["hidden_states"])
+    assert shifted.data_ptr() % 16 != ts["hidden_states"].data_ptr() % 16
+    base = torch_triton_backend.experts_forward(**ts)
+    assert torch.equal(torch_triton_backend.experts_forward(**(ts | {"hidden_states": shifted})), base)
+    torch_triton_backend.experts_forward(**(ts | {"hidden_states": ts["hidden_states"][:7]}))
+    torch_triton_backend.experts_forward(**ts, activation="gelu")
+    assert len(torch_triton_backend._BOUND) == 4
+    empty = {n: t[:0] if n in ("hidden_states", "top_k_index", "top_k_weights") else t for n, t in ts.items()}
+    before = dict(counts)
+    assert torch_triton_backend.experts_forward(**empty).shape == (0, ts["hidden_states"].shape[1])
+    assert counts == before and len(torch_triton_backend._BOUND) == 4
+
+
+def test_bound_plan_workspace_holds_each_buffer_apart_and_aligned():
+    """The workspace layout: every buffer but the output at its own 256-byte aligned offset, none overlapping,
+    the unused outputs sharing one; the arguments resolve to the call's addresses, the output's, the buffers'
+    and the plan's integers."""
+    ts = to_torch(next(c for c in CASES if c.name == "bfloat16-empty-slots-T64").inputs, "bfloat16")
+    env = torch_triton_backend._inputs(ts["hidden_states"], ts["top_k_index"], ts["top_k_weights"],
+                                       ts["gate_up_proj"], ts["down_proj"], ts["gate_up_bias"], ts["down_bias"])
+    problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
+                                              ts["down_proj"], ts["gate_up_bias"], ts["down_bias"], "silu")
+    plan = plans.forward_plan(replace(problem, T=200, device="no tuned tiles"))
+    dtypes = torch_triton_backend._DTYPE_ROLES | torch_triton_backend._dtypes(env)
+    bound = torch_triton_backend._bind(plan, [("launch", [])] * len(plan.steps), dtypes)
+    made = {b.name: b for step in plan.steps for b in step.outputs if b.name != plan.output}
+    assert len(bound.offsets) == len(made) and "unused" in made
+    spans = sorted((o, o + math.prod(b.shape) * dtypes[b.dtype].itemsize) for o, b in zip(bound.offsets,
+                                                                                            made.values()))
+    assert all(o % torch_triton_backend.WORKSPACE_ALIGN == 0 for o, _ in spans)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])) and spans[-1][1] <= bound.workspace_bytes
+    values = bound.values(list(range(100, 107)), 1000, 1 << 20)
+    names = list(torch_triton_backend.CALL_INPUTS) + [plan.output] + list(made)
+    for step, (_, grid, indices, _) in zip(plan.steps, bound.launches):
+        expected = [a if not isinstance(a, str) else values[names.index(a)] for a in step.inputs]
+        expected += [values[names.index(b.name)] for b in step.outputs]
+        assert [values[i] for i in indices] == expected and grid == step.grid
+    assert bound.output_shape == plan.buffers[plan.output].shape and not bound.output_zeroed
+
+
+def test_plans_that_cannot_run_from_addresses_are_not_bound():
+    """A step without a direct launch (a kernel with a profile scratch) or a workspace buffer that must start as
+    zeros keeps a call on the plan path."""
+    ts = to_torch(next(c for c in CASES if c.name == "bfloat16-uniform-T64").inputs, "bfloat16")
+    problem = torch_triton_backend.problem_of(ts["hidden_states"], ts["top_k_index"], ts["gate_up_proj"],
+                                              ts["down_proj"], None, None, "silu")
+    plan = plans.forward_plan(problem)
+    dtypes = torch_triton_backend._DTYPE_ROLES | {plans.WEIGHTS: torch.bfloat16, plans.HIDDEN: torch.bfloat16,
+                                                  plans.ROUTING: torch.bfloat16}
+    n = len(plan.steps)
+    assert torch_triton_backend._bind(plan, [("launch", [])] * n, dtypes) is not None
+    assert torch_triton_backend._bind(plan, [("launch", [])] * (n - 1) + [(None, [])], dtypes) is None
+    assert torch_triton_backend._bind(plan, [("launch", [])] * (n - 1), dtypes) is None
+    zeroing = replace(plan, steps=(replace(plan.steps[0], zeroed=(0,)),) + plan.steps[1:])
+    assert torch_triton_backend._bind(zeroing, [("launch", [])] * n, dtypes) is None
 
 
 def _described_run(arrays, grad_output, transposed: bool):

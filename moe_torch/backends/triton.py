@@ -10,6 +10,8 @@ per slot, the down projection and the combine fused). No host sync and a grid fi
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -67,10 +69,12 @@ def _dtypes(env) -> dict:
                            plans.ROUTING: env["w"].dtype}
 
 
-def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None = None) -> dict[str, torch.Tensor]:
+def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None = None,
+             launched: list | None = None) -> dict[str, torch.Tensor]:
     """Launch every step of ``plan`` on the tensors of ``env`` (buffer name -> tensor); returns ``env`` with the
     buffers the steps created. A step with an empty grid (no tokens) leaves its outputs as zeros. ``dtypes`` maps
-    the plan's dtype roles to torch dtypes (default: from the experts inputs in ``env``)."""
+    the plan's dtype roles to torch dtypes (default: from the experts inputs in ``env``). ``launched`` gets what
+    ``_launch`` returned for each step it launched, in order."""
     dtypes = _DTYPE_ROLES | (_dtypes(env) if dtypes is None else dtypes)
     device = next(iter(env.values())).device
     kernels = _kernels() if any(step.grid for step in plan.steps) else None
@@ -81,8 +85,10 @@ def run_plan(plan: plans.Plan, env: dict[str, torch.Tensor], dtypes: dict | None
     for step in plan.steps:
         outputs = step_outputs(step, dtypes, device)
         if step.grid:
-            _launch(getattr(kernels, step.kernel), step, [env[a] if isinstance(a, str) else a for a in step.inputs]
-                    + outputs, where)
+            used = _launch(getattr(kernels, step.kernel), step,
+                           [env[a] if isinstance(a, str) else a for a in step.inputs] + outputs, where)
+            if launched is not None:
+                launched.append(used)
         env.update((b.name, t) for b, t in zip(step.outputs, outputs))
     return env
 
@@ -99,11 +105,17 @@ def _launch_place(device: torch.device) -> tuple[int, int | None]:
     are set (a profiler reads them)."""
     if device.type != "cuda":
         return -1, None
-    from triton import knobs
+    runtime = _triton_runtime()
     current = torch.cuda.current_device()
-    hooked = any(_hook_set(h) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
-    direct = device.index == current and not hooked
+    direct = device.index == current and not (_hook_set(runtime.launch_enter_hook)
+                                              or _hook_set(runtime.launch_exit_hook))
     return current, torch._C._cuda_getCurrentRawStream(current) if direct else None
+
+
+@cache
+def _triton_runtime():
+    from triton import knobs
+    return knobs.runtime
 
 
 def _hook_set(hook) -> bool:
@@ -117,8 +129,9 @@ launch or None)})."""
 _MAX_LAUNCHED = 4096
 
 
-def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None]) -> None:
-    """Launch one plan step. The first launch for a step and a kind of arguments goes through triton's
+def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None]) -> tuple | None:
+    """Launch one plan step; returns (its direct launch or None, its constant arguments), None under the
+    interpreter. The first launch for a step and a kind of arguments goes through triton's
     ``JITFunction`` (which binds and specializes every argument, compiling if needed); later ones launch the
     compiled kernel it returned directly, through triton's C launcher where ``where`` gives a stream
     (``_direct_launch``). The key holds what triton specializes on, each tensor's dtype and base address modulo 16
@@ -130,20 +143,22 @@ def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None])
     if launched is None:
         compiled = kernel[(step.grid,)](*args, num_warps=step.num_warps, num_stages=step.num_stages,
                                         **step.constants)
-        if hasattr(compiled, "function"):  # a CompiledKernel (the interpreter returns none)
-            if entry is None or entry[0] is not step:
-                if len(_LAUNCHED) >= _MAX_LAUNCHED:
-                    _LAUNCHED.clear()
-                defaults = {p.name: p.default for p in kernel.params}
-                constants = [step.constants.get(n, defaults[n]) for n in kernel.arg_names[len(args):]]
-                entry = _LAUNCHED[id(step)] = (step, constants, {})
-            entry[2][key] = (compiled, _direct_launch(compiled))
-        return
+        if not hasattr(compiled, "function"):  # the interpreter returns no CompiledKernel
+            return None
+        if entry is None or entry[0] is not step:
+            if len(_LAUNCHED) >= _MAX_LAUNCHED:
+                _LAUNCHED.clear()
+            defaults = {p.name: p.default for p in kernel.params}
+            constants = [step.constants.get(n, defaults[n]) for n in kernel.arg_names[len(args):]]
+            entry = _LAUNCHED[id(step)] = (step, constants, {})
+        launched = entry[2][key] = (compiled, _direct_launch(compiled))
+        return launched[1], entry[1]
     compiled, direct = launched
     if direct is not None and stream is not None:
         direct(step.grid, stream, args, entry[1])
     else:
         compiled[(step.grid, 1, 1)](*args, *entry[1])
+    return direct, entry[1]
 
 
 def _direct_launch(compiled):
@@ -174,6 +189,86 @@ def _direct_launch(compiled):
     return direct_with_scratch
 
 
+# --- eager inference: a plan bound to its compiled kernels and one workspace -----------------------------------------
+
+CALL_INPUTS = ("x", "ids", "w", "gate_up", "down", "gate_up_bias", "down_bias")
+"""The buffer names of a call's tensors (``_inputs``), in the order ``_Bound.run`` takes them."""
+WORKSPACE_ALIGN = 256  # bytes: each buffer of the workspace starts at a multiple (triton specializes on 16)
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """An inference plan ready to launch from its call's pointers: every step's direct launch (``_direct_launch``)
+    and constants, and its arguments as indices into the call's values (``values``: the call's tensors' addresses
+    in ``CALL_INPUTS`` order, the output's, each workspace buffer's, then the plan's integers). The plan's output
+    is allocated alone (it is returned); every other buffer the steps make lies in one workspace at ``offsets``
+    (bytes), so that a call allocates twice and passes addresses, which triton's C launcher takes without asking
+    the driver about each tensor."""
+
+    launches: tuple[tuple, ...]  # (direct launch, grid, argument indices, constants) per step
+    offsets: tuple[int, ...]  # byte offset of each workspace buffer, in the order of the values after the output's
+    workspace_bytes: int
+    output_shape: tuple[int, ...]
+    output_dtype: torch.dtype
+    output_zeroed: bool
+    integers: tuple[int, ...]
+
+    def values(self, pointers: list[int], output: int, workspace: int) -> list[int]:
+        return [*pointers, output, *(workspace + o for o in self.offsets), *self.integers]
+
+    def run(self, tensors: tuple, stream: int) -> torch.Tensor:
+        device = tensors[0].device
+        out = (torch.zeros if self.output_zeroed else torch.empty)(self.output_shape, dtype=self.output_dtype,
+                                                                   device=device)
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+        values = self.values([0 if t is None else t.data_ptr() for t in tensors], out.data_ptr(),
+                             workspace.data_ptr())
+        for launch, grid, indices, constants in self.launches:
+            launch(grid, stream, [values[i] for i in indices], constants)
+        return out
+
+
+def _bind(plan: plans.Plan, launched: list, dtypes: dict) -> _Bound | None:
+    """``plan`` bound to the launches ``run_plan`` made of it (``launched``), or None where a call cannot run it
+    from addresses: a step without a direct launch or with an empty grid, or a workspace buffer that must start
+    as zeros."""
+    if len(launched) != len(plan.steps) or any(used is None or used[0] is None for used in launched):
+        return None
+    made = [b for step in plan.steps for b in step.outputs]
+    zeroed = {step.outputs[i].name for step in plan.steps for i in step.zeroed}
+    if zeroed - {plan.output}:
+        return None
+    names = list(CALL_INPUTS) + [plan.output]
+    offsets, size = [], 0
+    for buffer in {b.name: b for b in made if b.name != plan.output}.values():
+        names.append(buffer.name)
+        offsets.append(size)
+        nbytes = math.prod(buffer.shape) * torch.empty((), dtype=dtypes[buffer.dtype]).element_size()
+        size += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    integers = sorted({a for step in plan.steps for a in step.inputs if not isinstance(a, str)})
+    index = {n: i for i, n in enumerate(names)} | {("int", v): len(names) + i for i, v in enumerate(integers)}
+    launches = tuple(
+        (direct, step.grid, tuple(index[a if isinstance(a, str) else ("int", a)] for a in step.inputs)
+         + tuple(index[b.name] for b in step.outputs), constants)
+        for step, (direct, constants) in zip(plan.steps, launched))
+    output = plan.buffers[plan.output]
+    return _Bound(launches, tuple(offsets), max(size, 1), output.shape, dtypes[output.dtype],
+                  plan.output in zeroed, tuple(integers))
+
+
+_BOUND: dict[tuple, _Bound | None] = {}
+"""A call's key (``_call_key``) -> its bound plan, or None where it runs through ``run_plan``."""
+_MAX_BOUND = 1024
+
+
+def _call_key(tensors: tuple, activation: str, deterministic: bool, current: int) -> tuple:
+    """What a call's plan and its kernels' specialization depend on: each tensor's shape, strides, dtype, device
+    and address modulo 16 (the weights' strides and alignment pick tiles and descriptors; triton specializes
+    pointers on 16-byte alignment), the options and the current device."""
+    return (activation, deterministic, current,
+            *(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors))
+
+
 def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torch.Tensor]:
     # the slots' ids and weights as [T*k] with a unit stride (reshape keeps a strided view where it can)
     env = {"x": x, "ids": ids.reshape(-1).contiguous(), "w": w.reshape(-1).contiguous(), "gate_up": gate_up,
@@ -186,8 +281,26 @@ def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torc
 
 
 def _inference(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, deterministic):
+    """The inference forward. On CUDA, launching directly, a call of a key seen before runs its bound plan
+    (``_Bound``); the first runs the plan through ``run_plan`` and binds what it launched."""
+    ids, w = ids.contiguous(), w.contiguous()
+    tensors = (x, ids, w, gate_up, down, gate_up_bias, down_bias)
+    current, stream = _launch_place(x.device)
+    key = None
+    if stream is not None and not torch.compiler.is_compiling():
+        key = _call_key(tensors, activation, deterministic, current)
+        bound = _BOUND.get(key)
+        if bound is not None:
+            out = bound.run(tensors, stream)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
     plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation, deterministic))
-    env = run_plan(plan, _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias))
+    env = _inputs(*tensors)
+    launched = [] if key is not None and key not in _BOUND and all(step.grid for step in plan.steps) else None
+    env = run_plan(plan, env, launched=launched)
+    if launched is not None:
+        if len(_BOUND) >= _MAX_BOUND:
+            _BOUND.clear()
+        _BOUND[key] = _bind(plan, launched, _DTYPE_ROLES | _dtypes(env))
     return env[plan.output].to(x.dtype)
 
 
