@@ -770,10 +770,10 @@ def test_bound_plan_workspace_holds_each_buffer_apart_and_aligned():
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])) and spans[-1][1] <= bound.workspace_bytes
     values = bound.values(list(range(100, 107)), 1000, 1 << 20)
     names = list(torch_triton_backend.CALL_INPUTS) + [plan.output] + list(made)
-    for step, (_, grid, indices, _) in zip(plan.steps, bound.launches):
+    for step, (_, grid, arguments, _) in zip(plan.steps, bound.launches):
         expected = [a if not isinstance(a, str) else values[names.index(a)] for a in step.inputs]
         expected += [values[names.index(b.name)] for b in step.outputs]
-        assert [values[i] for i in indices] == expected and grid == step.grid
+        assert list(arguments(values)) == expected and grid == step.grid
     assert bound.output_shape == plan.buffers[plan.output].shape and not bound.output_zeroed
 
 

@@ -11,8 +11,10 @@ per slot, the down projection and the combine fused). No host sync and a grid fi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from operator import itemgetter
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -106,7 +108,8 @@ def _launch_place(device: torch.device) -> tuple[int, int | None]:
     if device.type != "cuda":
         return -1, None
     runtime = _triton_runtime()
-    current = torch.cuda.current_device()
+    # torch.cuda.current_device() less its initialisation check (a tensor on CUDA means CUDA is initialised)
+    current = torch._C._cuda_getDevice()
     direct = device.index == current and not (_hook_set(runtime.launch_enter_hook)
                                               or _hook_set(runtime.launch_exit_hook))
     return current, torch._C._cuda_getCurrentRawStream(current) if direct else None
@@ -199,13 +202,13 @@ WORKSPACE_ALIGN = 256  # bytes: each buffer of the workspace starts at a multipl
 @dataclass(frozen=True)
 class _Bound:
     """An inference plan ready to launch from its call's pointers: every step's direct launch (``_direct_launch``)
-    and constants, and its arguments as indices into the call's values (``values``: the call's tensors' addresses
+    and constants, and its arguments as picked from the call's values (``values``: the call's tensors' addresses
     in ``CALL_INPUTS`` order, the output's, each workspace buffer's, then the plan's integers). The plan's output
     is allocated alone (it is returned); every other buffer the steps make lies in one workspace at ``offsets``
     (bytes), so that a call allocates twice and passes addresses, which triton's C launcher takes without asking
     the driver about each tensor."""
 
-    launches: tuple[tuple, ...]  # (direct launch, grid, argument indices, constants) per step
+    launches: tuple[tuple, ...]  # (direct launch, grid, values -> its arguments, constants) per step
     offsets: tuple[int, ...]  # byte offset of each workspace buffer, in the order of the values after the output's
     workspace_bytes: int
     output_shape: tuple[int, ...]
@@ -223,8 +226,8 @@ class _Bound:
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
         values = self.values([0 if t is None else t.data_ptr() for t in tensors], out.data_ptr(),
                              workspace.data_ptr())
-        for launch, grid, indices, constants in self.launches:
-            launch(grid, stream, [values[i] for i in indices], constants)
+        for launch, grid, arguments, constants in self.launches:
+            launch(grid, stream, arguments(values), constants)
         return out
 
 
@@ -248,12 +251,17 @@ def _bind(plan: plans.Plan, launched: list, dtypes: dict) -> _Bound | None:
     integers = sorted({a for step in plan.steps for a in step.inputs if not isinstance(a, str)})
     index = {n: i for i, n in enumerate(names)} | {("int", v): len(names) + i for i, v in enumerate(integers)}
     launches = tuple(
-        (direct, step.grid, tuple(index[a if isinstance(a, str) else ("int", a)] for a in step.inputs)
-         + tuple(index[b.name] for b in step.outputs), constants)
+        (direct, step.grid, _getter([index[a if isinstance(a, str) else ("int", a)] for a in step.inputs]
+                                    + [index[b.name] for b in step.outputs]), constants)
         for step, (direct, constants) in zip(plan.steps, launched))
     output = plan.buffers[plan.output]
     return _Bound(launches, tuple(offsets), max(size, 1), output.shape, dtypes[output.dtype],
                   plan.output in zeroed, tuple(integers))
+
+
+def _getter(indices: list[int]) -> Callable[[list], tuple]:
+    """values -> the tuple of values at ``indices``."""
+    return itemgetter(*indices) if len(indices) > 1 else (lambda values: (values[indices[0]],))
 
 
 _BOUND: dict[tuple, _Bound | None] = {}
@@ -265,8 +273,14 @@ def _call_key(tensors: tuple, activation: str, deterministic: bool, current: int
     """What a call's plan and its kernels' specialization depend on: each tensor's shape, strides, dtype, device
     and address modulo 16 (the weights' strides and alignment pick tiles and descriptors; triton specializes
     pointers on 16-byte alignment), the options and the current device."""
-    return (activation, deterministic, current,
-            *(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors))
+    x, ids, w, gate_up, down, gate_up_bias, down_bias = tensors
+    return (activation, deterministic, current, _layout(x), _layout(ids), _layout(w), _layout(gate_up),
+            _layout(down), None if gate_up_bias is None else _layout(gate_up_bias),
+            None if down_bias is None else _layout(down_bias))
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
 
 
 def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torch.Tensor]:
