@@ -484,7 +484,11 @@ STEP_VARIANTS = [C(128, 128, 64, 8, 3, 1), C(128, 128, 64, 8, 3, 8), C(128, 128,
                  # 64-row blocks: at T=4096 deepseek-v3's experts take 128 rows on average and qwen3's 256, so
                  # 128-row blocks leave a third (a fifth) of the tile rows padding
                  C(64, 128, 64, 8, 4, 8), C(64, 256, 64, 8, 3, 8), C(64, 128, 128, 4, 3, 8),
-                 C(64, 256, 64, 8, 3, 8, True)]
+                 C(64, 256, 64, 8, 3, 8, True),
+                 # a few dozen rows per expert over large weights (mixtral-8x7b T=256: 64): the expert's row blocks
+                 # taken together (GROUP_M), or one block per expert, so that each weight tile leaves HBM once
+                 C(64, 64, 128, 4, 4, 8), C(32, 128, 64, 4, 4, 8), C(32, 64, 128, 4, 4, 8),
+                 C(128, 128, 64, 8, 4, 8, SHORT_TAILS=1)]
 WGRAD_STEP_VARIANTS = [C(64, 128, 128, 8, 3), C(32, 128, 128, 8, 3), C(64, 128, 64, 4, 3), C(64, 128, 128, 8, 4),
                        C(128, 128, 128, 8, 2), C(64, 256, 64, 8, 3), C(64, 128, 64, 4, 4),
                        # (rows per step, N, K): fewer rows per step make an expert's few hundred rows a loop long
