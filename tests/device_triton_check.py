@@ -517,6 +517,12 @@ WS_STEP_VARIANTS = [C(*c, TMA=True, A_TMA=True, WARP_SPECIALIZE=True, BLOCK_TABL
                     for c, t, p in (((128, 128, 64, 4, 3, 8), 1, 0), ((128, 128, 64, 4, 4, 8), 1, 0),
                                     ((128, 64, 64, 4, 4, 8), 1, 0), ((64, 128, 64, 4, 4, 8), 0, 0),
                                     ((128, 128, 64, 4, 3, 8), 0, 132), ((128, 64, 64, 4, 4, 8), 0, 132))]
+# 256-row blocks over 16 warps (four warpgroups): per K step twice the multiplies of a 128-row tile for one more
+# row tile's bytes, where the rows per expert fill them (qwen3-30b-a3b from T=4096, mixtral-8x7b from T=1024)
+WIDE_STEP_VARIANTS = [C(256, 128, 64, 16, 3, 8), C(256, 128, 64, 16, 3, 8, SHORT_TAILS=1),
+                      C(256, 128, 64, 16, 3, 8, True), C(256, 128, 32, 16, 4, 8), C(256, 64, 64, 8, 3, 8),
+                      C(256, 64, 64, 8, 4, 8, SHORT_TAILS=1), C(256, 64, 64, 16, 4, 8), C(256, 64, 64, 8, 3, 8, True),
+                      C(256, 256, 64, 16, 3, 8), C(256, 128, 64, 16, 4, 8), C(256, 128, 64, 8, 3, 8)]
 VARIANT_TOKENS = 4096
 # GEMV tiles of the decode kernels (BM unused): wider loads and more warps keep more bytes in flight per SM
 DECODE_STEP_VARIANTS = [C(1, 16, 256, 4, 2), C(1, 32, 256, 4, 2), C(1, 16, 512, 4, 2), C(1, 16, 512, 8, 2),
@@ -537,6 +543,7 @@ VARIANTS = {
     "rows": (("grouped_gemm_kernel",), lambda own: [replace(own, TMA=True, A_TMA=True), *ROW_TMA_STEP_VARIANTS],
              None),
     "tails": (("grouped_gemm_kernel",), lambda own: [replace(own, SHORT_TAILS=n) for n in range(4)], None),
+    "wide": (("grouped_gemm_kernel",), lambda own: WIDE_STEP_VARIANTS, None),
     # the step's own config with a block table (its cost alone), then WS_STEP_VARIANTS
     "ws": (("grouped_gemm_kernel",), lambda own: [replace(own, BLOCK_TABLE=True), *WS_STEP_VARIANTS], None),
     "decode": (("decode_gate_up_kernel", "decode_down_combine_kernel"), lambda own: [own, *DECODE_STEP_VARIANTS],
