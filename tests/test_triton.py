@@ -629,7 +629,7 @@ def test_launch_cache_reuses_the_compiled_kernel_only_for_the_same_specializatio
 def test_launch_cache_calls_the_c_launcher_with_the_arguments_of_triton_s_wrapper(monkeypatch):
     """Given a stream, a cached kernel is launched through its C launcher with what triton's wrapper passes it
     (grid, stream, function, launch flags, no scratch, packed metadata, no launch metadata or hooks, then every
-    argument and constant); a kernel that takes a global scratch gets one of programs x its bytes per program from
+    argument, tensors as their addresses, and constant); a kernel that takes a global scratch gets one of programs x its bytes per program from
     the allocator triton's wrapper would use."""
     calls = []
     step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
@@ -639,7 +639,7 @@ def test_launch_cache_calls_the_c_launcher_with_the_arguments_of_triton_s_wrappe
         torch_triton_backend._launch(kernel, step, [a, 5, out], (0, 1234))
     assert [c[0] for c in calls] == ["jit", "c-launcher"]
     assert calls[1][1] == (3, 1, 1, 1234, "function", False, True, None, None, "packed", None, None, None,
-                           a, 5, out, 2, 7)
+                           a.data_ptr(), 5, out.data_ptr(), 2, 7)
 
     calls.clear()
     scratch_step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
@@ -658,7 +658,7 @@ def test_launch_cache_calls_the_c_launcher_with_the_arguments_of_triton_s_wrappe
     scratch = calls[1][1][7]
     assert isinstance(scratch, torch.Tensor) and scratch.numel() == 3 * 128
     assert calls[1][1][:7] == (3, 1, 1, 1234, "function", False, True)
-    assert calls[1][1][8:] == (None, "packed", None, None, None, a, 5, out, 2, 7)
+    assert calls[1][1][8:] == (None, "packed", None, None, None, a.data_ptr(), 5, out.data_ptr(), 2, 7)
 
 
 def test_triton_launch_hooks_keep_triton_s_launch_wrapper():

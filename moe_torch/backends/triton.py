@@ -137,11 +137,12 @@ def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None])
     interpreter. The first launch for a step and a kind of arguments goes through triton's
     ``JITFunction`` (which binds and specializes every argument, compiling if needed); later ones launch the
     compiled kernel it returned directly, through triton's C launcher where ``where`` gives a stream
-    (``_direct_launch``). The key holds what triton specializes on, each tensor's dtype and base address modulo 16
-    and each integer's value, and the current device (a compiled kernel is loaded on one)."""
+    (``_direct_launch``), given the tensors' addresses. The key holds what triton specializes on, each tensor's
+    dtype and base address modulo 16 and each integer's value, whether each tensor is on CUDA (a host address
+    goes to triton's wrapper, which refuses it) and the current device (a compiled kernel is loaded on one)."""
     entry = _LAUNCHED.get(id(step))
     current, stream = where
-    key = (current, *((a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args))
+    key = (current, *((a.dtype, a.data_ptr() % 16, a.is_cuda) if isinstance(a, torch.Tensor) else a for a in args))
     launched = entry[2].get(key) if entry is not None and entry[0] is step else None
     if launched is None:
         compiled = kernel[(step.grid,)](*args, num_warps=step.num_warps, num_stages=step.num_stages,
@@ -157,8 +158,8 @@ def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None])
         launched = entry[2][key] = (compiled, _direct_launch(compiled))
         return launched[1], entry[1]
     compiled, direct = launched
-    if direct is not None and stream is not None:
-        direct(step.grid, stream, args, entry[1])
+    if direct is not None and stream is not None:  # addresses: the C launcher asks the driver about each tensor
+        direct(step.grid, stream, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], entry[1])
     else:
         compiled[(step.grid, 1, 1)](*args, *entry[1])
     return direct, entry[1]
