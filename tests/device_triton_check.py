@@ -518,7 +518,9 @@ WS_STEP_VARIANTS = [C(*c, TMA=True, A_TMA=True, WARP_SPECIALIZE=True, BLOCK_TABL
                                     ((128, 64, 64, 4, 4, 8), 1, 0), ((64, 128, 64, 4, 4, 8), 0, 0),
                                     ((128, 128, 64, 4, 3, 8), 0, 132), ((128, 64, 64, 4, 4, 8), 0, 132))]
 # 256-row blocks over 16 warps (four warpgroups): per K step twice the multiplies of a 128-row tile for one more
-# row tile's bytes, where the rows per expert fill them (qwen3-30b-a3b from T=4096, mixtral-8x7b from T=1024)
+# row tile's bytes, where the rows per expert fill them (qwen3-30b-a3b from T=4096, mixtral-8x7b from T=1024). On
+# the H100 none beat a step's own config (tests/device_results/nvidia-h100-triton-steps-wide.json): gate/up's two
+# 256x128 accumulators starve 16 warps of registers (3-8 ms against 0.49 at qwen3 T=4096).
 WIDE_STEP_VARIANTS = [C(256, 128, 64, 16, 3, 8), C(256, 128, 64, 16, 3, 8, SHORT_TAILS=1),
                       C(256, 128, 64, 16, 3, 8, True), C(256, 128, 32, 16, 4, 8), C(256, 64, 64, 8, 3, 8),
                       C(256, 64, 64, 8, 4, 8, SHORT_TAILS=1), C(256, 64, 64, 16, 4, 8), C(256, 64, 64, 8, 3, 8, True),
