@@ -73,6 +73,23 @@ def test_row_kernel_matches_float64(way, B, K, N, E, count, monkeypatch):
     _assert_rows_match_float64(way, B, K, N, K, E, count, False, monkeypatch)
 
 
+@pytest.mark.parametrize("K, N", [(1024, 768), (40, 70), (96, 13)])
+@pytest.mark.parametrize("way", list(WAYS))
+@needs_kernel
+def test_a_one_row_group_gives_the_bits_of_that_row_in_a_larger_group(way, K, N, monkeypatch):
+    """A decode slot's group (one x row) takes blocks of 8 weight rows, other groups blocks of 4 x rows by 4
+    weight rows: each output is the same sum in the same order, so the same bits (N off 8 and K off 32 included)."""
+    monkeypatch.setenv("MOE_JAX_ROW_KERNEL_AMX", WAYS[way])
+    if way == "amx" and not expert_rows.amx():
+        pytest.skip("the CPU has no AMX")
+    rng = np.random.default_rng(K + N)
+    x = jnp.asarray(rng.standard_normal((5, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, N, K)), jnp.bfloat16)
+    rows = jax.jit(lambda a, b, count: expert_rows.expert_rows(a, b, 1, count), static_argnums=2)
+    np.testing.assert_array_equal(np.asarray(rows(x, w, 1))[0], np.asarray(rows(x, w, 5))[0])
+    np.testing.assert_array_equal(np.asarray(rows(x[:1], w, 1)), np.asarray(rows(x, w, 5))[:1])
+
+
 # B rows, K, N, T token rows, count: AMX tiles with a tail of weight rows and several x tiles, a k width off 32
 # (the AVX512 way), no rows, one row
 @pytest.mark.parametrize("B, K, N, T, count", [(40, 96, 70, 13, 37), (70, 64, 200, 30, 70), (8, 1024, 768, 5, 3),

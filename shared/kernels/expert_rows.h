@@ -136,13 +136,41 @@ __attribute__((always_inline)) inline void RowBlock(const Group& g, const Shape&
             static_cast<__mmask16>((1u << nn) - 1));
 }
 
+constexpr int64_t kSingleRowTile = 8;  // weight rows per block of a one-row group
+
+// A one-row group's (a decode slot's) x row times kSingleRowTile weight rows at wr (outputs n .. n + 8): twice the
+// weight rows in flight of RowBlock<1>, each row's sums made in RowBlock's order (the same bits).
+inline void SingleRowBlock(const Group& g, const Shape& s, const uint16_t* const* wr, int64_t n) {
+  const int64_t K = s.K, full = K / 32 * 32;
+  const __mmask32 tail = K == full ? 0 : static_cast<__mmask32>((1ull << (K - full)) - 1);
+  __m512 acc[kSingleRowTile];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  auto step = [&](auto load) {
+    const __m512bh xv = load(g.x);
+    for (int64_t j = 0; j < kSingleRowTile; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], xv, load(wr[j]));
+  };
+  for (int64_t k = 0; k < full; k += 32)
+    step([k](const uint16_t* r) { return (__m512bh)_mm512_loadu_si512(r + k); });
+  if (tail) step([&](const uint16_t* r) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, r + full); });
+  EmitRow(g, s.N, 0, n, Sum4(acc[0], acc[1], acc[2], acc[3]), 0xF);
+  EmitRow(g, s.N, 0, n + kTile, Sum4(acc[4], acc[5], acc[6], acc[7]), 0xF);
+}
+
 // A group's last rows take a block of their own count: a block of kTile x rows for one or two (a decode row, an
 // expert's last rows) made the dot products of rows that were not emitted, four or two times the work (qwen3-cpu on
 // the 2-core EPYC, torch batched_mm, a row per group: 0.84-0.87 against 0.98-1.05 ms at T=1, 41-43 against 48-52 at
-// T=64)
+// T=64). A one-row group takes SingleRowBlock where a chunk has 8 weight rows left.
 inline void RowsOfChunk(const Group& g, const Shape& s, int64_t n0, int64_t n1) {
   const int64_t K = s.K;
-  for (int64_t n = n0; n < n1; n += kTile) {
+  int64_t n = n0;
+  if (g.rows == 1) {
+    for (; n + kSingleRowTile <= n1; n += kSingleRowTile) {
+      const uint16_t* wr[kSingleRowTile];
+      for (int64_t j = 0; j < kSingleRowTile; ++j) wr[j] = g.w + (n + j) * K;
+      SingleRowBlock(g, s, wr, n);
+    }
+  }
+  for (; n < n1; n += kTile) {
     const int64_t nn = n1 - n < kTile ? n1 - n : kTile;
     const uint16_t* wr[kTile];
     for (int64_t j = 0; j < kTile; ++j) wr[j] = g.w + (n + (j < nn ? j : 0)) * K;
