@@ -110,18 +110,13 @@ def experts_forward(
     """
     fn = ExpertsInterface[implementation]
     tensors = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
-    try:
-        layouts = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
-    except AttributeError:  # not a tensor: the checks below say which
-        layouts = None
-    key = None if layouts is None else _signature(implementation, activation, layouts)
+    for name, t in zip(_TENSOR_ARGS, tensors):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    layouts = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+    key = _signature(implementation, activation, layouts)
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:  # these checks depend only on the signature: done once per signature
-        # (only tensors pass them, and a signature holds torch dtypes and devices, so a call that finds one passed
-        # tensors too)
-        for name, t in zip(_TENSOR_ARGS, tensors):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         dims = _checks(implementation, activation, layouts)
         checked = dims, key is not None and graphs.allowed(implementation, activation, gate_up_proj, down_proj,
                                                           dims.slots)
@@ -137,8 +132,7 @@ def experts_forward(
         check_expert_ids(int(lowest), int(highest), dims.E)
     # Per-token inputs are small: made contiguous, strided ones give bit-identical results. Weights are used in
     # place (no per-call copy); strided weights agree with contiguous ones to rounding.
-    hidden_states, top_k_index, top_k_weights = (hidden_states.contiguous(), top_k_index.contiguous(),
-                                                 top_k_weights.contiguous())
+    hidden_states, top_k_index, top_k_weights = (t.contiguous() for t in (hidden_states, top_k_index, top_k_weights))
 
     def call(hidden_states, top_k_index, top_k_weights):
         return fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
