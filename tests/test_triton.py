@@ -748,6 +748,12 @@ def test_bound_plans_are_kept_per_shape_alignment_and_option(monkeypatch):
     before = dict(counts)
     assert torch_triton_backend.experts_forward(**empty).shape == (0, ts["hidden_states"].shape[1])
     assert counts == before and len(torch_triton_backend._BOUND) == 4
+    # no stream to launch on directly (a launch hook set, another current device): the plan, never bound
+    monkeypatch.setattr(torch_triton_backend, "_launch_place", lambda device: (0, None))
+    before = dict(counts)
+    torch_triton_backend.experts_forward(**ts)
+    assert counts["addresses"] == before["addresses"] and counts["plan"] > before["plan"]
+    assert len(torch_triton_backend._BOUND) == 4
 
 
 def test_bound_plan_workspace_holds_each_buffer_apart_and_aligned():
