@@ -629,8 +629,8 @@ def test_launch_cache_reuses_the_compiled_kernel_only_for_the_same_specializatio
 def test_launch_cache_calls_the_c_launcher_with_the_arguments_of_triton_s_wrapper(monkeypatch):
     """Given a stream, a cached kernel is launched through its C launcher with what triton's wrapper passes it
     (grid, stream, function, launch flags, no scratch, packed metadata, no launch metadata or hooks, then every
-    argument, tensors as their addresses, and constant); a kernel that takes a global scratch gets one of programs x its bytes per program from
-    the allocator triton's wrapper would use."""
+    argument, tensors as their addresses, and constant); a kernel that takes a global scratch gets one of programs
+    x its bytes per program from the allocator triton's wrapper would use."""
     calls = []
     step = plans.Step("k", 3, ("a", 5), (plans.Buffer("out", (4,), plans.FLOAT32),), {"B": 2}, 4, 2)
     a, out = torch.zeros(8), torch.zeros(4)

@@ -111,8 +111,8 @@ static_assert(kTile == 4, "RowBlock sums four weight rows' accumulators at a tim
 // x rows b .. b + kRows times the kTile weight rows at wr (outputs n .. n + nn; rows past nn repeat row n and are not
 // emitted). kRows below kTile only for a group's last rows: each row's sums are the same whichever kRows takes it.
 template <int64_t kRows>
-__attribute__((always_inline)) inline void RowBlock(const Group& g, const Shape& s, const uint16_t* const* wr, int64_t b,
-                                                   int64_t n, int64_t nn) {
+__attribute__((always_inline)) inline void RowBlock(const Group& g, const Shape& s, const uint16_t* const* wr,
+                                                   int64_t b, int64_t n, int64_t nn) {
   const int64_t K = s.K, full = K / 32 * 32;
   const __mmask32 tail = K == full ? 0 : static_cast<__mmask32>((1ull << (K - full)) - 1);
   const uint16_t* xr[kRows];
