@@ -655,7 +655,7 @@ RUNNERS: dict[str, type[Runner]] = {r.framework: r for r in (TorchRunner, JaxRun
 def _declares_graphs(backend: str) -> bool:
     declared = SPEC.backends.get(PEERS[backend].counterpart if backend in PEERS else backend)
     support = declared.frameworks.get("torch") if declared is not None else None
-    return support is not None and support.graphs.get("cuda", 0) > 0
+    return support is not None and "cuda" in support.graphs  # verified capturable (0: no decode graphs of its own)
 
 
 def series(framework: str, backend: str, variant: Variant, mode: str | None = None) -> str:
