@@ -108,66 +108,53 @@ inline __m512 Sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 static_assert(kTile == 4, "RowBlock sums four weight rows' accumulators at a time (Sum4)");
 
-// x rows b .. b + kRows times the kTile weight rows at wr (outputs n .. n + nn; rows past nn repeat row n and are not
-// emitted). kRows below kTile only for a group's last rows: each row's sums are the same whichever kRows takes it.
-template <int64_t kRows>
+// x rows b .. b + kRows times the kWeights weight rows at wr (outputs n .. n + nn; rows past nn repeat row n and are
+// not emitted). Each row's sums are the same whichever block takes it: kRows below kTile only for a group's last
+// rows, kWeights 2 * kTile for a one-row group (twice the weight rows in flight).
+template <int64_t kRows, int64_t kWeights = kTile>
 __attribute__((always_inline)) inline void RowBlock(const Group& g, const Shape& s, const uint16_t* const* wr,
                                                    int64_t b, int64_t n, int64_t nn) {
+  static_assert(kWeights % kTile == 0, "weight rows are emitted kTile at a time (Sum4)");
   const int64_t K = s.K, full = K / 32 * 32;
   const __mmask32 tail = K == full ? 0 : static_cast<__mmask32>((1ull << (K - full)) - 1);
   const uint16_t* xr[kRows];
   for (int64_t i = 0; i < kRows; ++i) xr[i] = g.x + (b + i) * g.x_stride;
-  __m512 acc[kRows][kTile];
+  __m512 acc[kRows][kWeights];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
   auto step = [&](auto load) {
-    __m512bh wv[kTile];
-    for (int64_t j = 0; j < kTile; ++j) wv[j] = load(wr[j]);
+    __m512bh wv[kWeights];
+    for (int64_t j = 0; j < kWeights; ++j) wv[j] = load(wr[j]);
     for (int64_t i = 0; i < kRows; ++i) {
       const __m512bh xv = load(xr[i]);
-      for (int64_t j = 0; j < kTile; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      for (int64_t j = 0; j < kWeights; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   };
   for (int64_t k = 0; k < full; k += 32)
     step([k](const uint16_t* r) { return (__m512bh)_mm512_loadu_si512(r + k); });
   if (tail) step([&](const uint16_t* r) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, r + full); });
   for (int64_t i = 0; i < kRows; ++i)  // constant bounds: the sums stay in registers
-    EmitRow(g, s.N, b + i, n, Sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]),
-            static_cast<__mmask16>((1u << nn) - 1));
+    for (int64_t j = 0; j < kWeights && j < nn; j += kTile) {
+      const int64_t lanes = nn - j < kTile ? nn - j : kTile;
+      EmitRow(g, s.N, b + i, n + j, Sum4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]),
+              static_cast<__mmask16>((1u << lanes) - 1));
+    }
 }
 
-constexpr int64_t kSingleRowTile = 8;  // weight rows per block of a one-row group
-
-// A one-row group's (a decode slot's) x row times kSingleRowTile weight rows at wr (outputs n .. n + 8): twice the
-// weight rows in flight of RowBlock<1>, each row's sums made in RowBlock's order (the same bits).
-inline void SingleRowBlock(const Group& g, const Shape& s, const uint16_t* const* wr, int64_t n) {
-  const int64_t K = s.K, full = K / 32 * 32;
-  const __mmask32 tail = K == full ? 0 : static_cast<__mmask32>((1ull << (K - full)) - 1);
-  __m512 acc[kSingleRowTile];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  auto step = [&](auto load) {
-    const __m512bh xv = load(g.x);
-    for (int64_t j = 0; j < kSingleRowTile; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], xv, load(wr[j]));
-  };
-  for (int64_t k = 0; k < full; k += 32)
-    step([k](const uint16_t* r) { return (__m512bh)_mm512_loadu_si512(r + k); });
-  if (tail) step([&](const uint16_t* r) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, r + full); });
-  EmitRow(g, s.N, 0, n, Sum4(acc[0], acc[1], acc[2], acc[3]), 0xF);
-  EmitRow(g, s.N, 0, n + kTile, Sum4(acc[4], acc[5], acc[6], acc[7]), 0xF);
-}
+constexpr int64_t kSingleRowWeights = 2 * kTile;  // weight rows per block of a one-row group (a decode slot)
 
 // A group's last rows take a block of their own count: a block of kTile x rows for one or two (a decode row, an
 // expert's last rows) made the dot products of rows that were not emitted, four or two times the work (qwen3-cpu on
 // the 2-core EPYC, torch batched_mm, a row per group: 0.84-0.87 against 0.98-1.05 ms at T=1, 41-43 against 48-52 at
-// T=64). A one-row group takes SingleRowBlock where a chunk has 8 weight rows left.
+// T=64). A one-row group takes blocks of kSingleRowWeights weight rows while a chunk has that many left.
 inline void RowsOfChunk(const Group& g, const Shape& s, int64_t n0, int64_t n1) {
   const int64_t K = s.K;
   int64_t n = n0;
   if (g.rows == 1) {
-    for (; n + kSingleRowTile <= n1; n += kSingleRowTile) {
-      const uint16_t* wr[kSingleRowTile];
-      for (int64_t j = 0; j < kSingleRowTile; ++j) wr[j] = g.w + (n + j) * K;
-      SingleRowBlock(g, s, wr, n);
+    for (; n + kSingleRowWeights <= n1; n += kSingleRowWeights) {
+      const uint16_t* wr[kSingleRowWeights];
+      for (int64_t j = 0; j < kSingleRowWeights; ++j) wr[j] = g.w + (n + j) * K;
+      RowBlock<1, kSingleRowWeights>(g, s, wr, 0, n, kSingleRowWeights);
     }
   }
   for (; n < n1; n += kTile) {
