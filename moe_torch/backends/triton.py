@@ -142,7 +142,8 @@ def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None])
     goes to triton's wrapper, which refuses it) and the current device (a compiled kernel is loaded on one)."""
     entry = _LAUNCHED.get(id(step))
     current, stream = where
-    key = (current, *((a.dtype, a.data_ptr() % 16, a.is_cuda) if isinstance(a, torch.Tensor) else a for a in args))
+    values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]  # each tensor's address
+    key = (current, *((a.dtype, v % 16, a.is_cuda) if isinstance(a, torch.Tensor) else a for a, v in zip(args, values)))
     launched = entry[2].get(key) if entry is not None and entry[0] is step else None
     if launched is None:
         compiled = kernel[(step.grid,)](*args, num_warps=step.num_warps, num_stages=step.num_stages,
@@ -159,7 +160,7 @@ def _launch(kernel, step: plans.Step, args: list, where: tuple[int, int | None])
         return launched[1], entry[1]
     compiled, direct = launched
     if direct is not None and stream is not None:  # addresses: the C launcher asks the driver about each tensor
-        direct(step.grid, stream, [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], entry[1])
+        direct(step.grid, stream, values, entry[1])
     else:
         compiled[(step.grid, 1, 1)](*args, *entry[1])
     return direct, entry[1]
@@ -247,7 +248,7 @@ def _bind(plan: plans.Plan, launched: list, dtypes: dict) -> _Bound | None:
     for buffer in {b.name: b for b in made if b.name != plan.output}.values():
         names.append(buffer.name)
         offsets.append(size)
-        nbytes = math.prod(buffer.shape) * torch.empty((), dtype=dtypes[buffer.dtype]).element_size()
+        nbytes = math.prod(buffer.shape) * dtypes[buffer.dtype].itemsize
         size += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
     integers = sorted({a for step in plan.steps for a in step.inputs if not isinstance(a, str)})
     index = {n: i for i, n in enumerate(names)} | {("int", v): len(names) + i for i, v in enumerate(integers)}
