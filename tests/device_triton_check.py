@@ -799,20 +799,25 @@ def profile_calls(results):
     torch.cuda.empty_cache()
 
 
-def host_profile(results, points=(("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("qwen3-30b-a3b", 4096)), calls=300):
-    """Where the host's time per torch call goes (inference forward, eager): cProfile over ``calls`` calls, the
-    functions with the most own time, per call."""
+def host_profile(results, points=(("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("qwen3-30b-a3b", 4096)),
+                 modes=("fwd",), calls=300):
+    """Where the host's time per torch call goes (eager; the inference forward, or with ``fwd+bwd`` the forward and
+    every gradient): cProfile over ``calls`` calls, the functions with the most own time, per call."""
     import cProfile
     import pstats
     import torch
     import moe_torch
 
-    def run(shape, T):
-        (gate_up, down), (x, idx, w, _) = _point(shape, T)
+    def run(shape, T, mode):
+        (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+        training = mode == "fwd+bwd"
+        leaves = [t.detach().requires_grad_(training) for t in (x, w, gate_up, down)]
 
         def call():
-            with torch.no_grad():
-                return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+            with torch.set_grad_enabled(training):
+                out = moe_torch.experts_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3],
+                                                implementation="triton", validate=False)
+                return torch.autograd.grad(out, leaves, dout) if training else out
 
         for _ in range(5):
             call()
@@ -836,8 +841,9 @@ def host_profile(results, points=(("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("q
                                               "cum_us": round(cum / calls * 1e6, 2), "calls": n / calls}
                                              for own, cum, n, name in rows]}
 
-    for shape, T in points:
-        record(results, "host-profile", f"{shape} T={T} fwd", lambda shape=shape, T=T: run(shape, T))
+    for (shape, T), mode in itertools.product(points, modes):
+        record(results, "host-profile", f"{shape} T={T} {mode}",
+               lambda shape=shape, T=T, mode=mode: run(shape, T, mode))
 
 
 def jax_profile_calls(results):
@@ -919,11 +925,12 @@ def _device_kernels(run, calls: int = 10) -> dict:
             for name, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])}
 
 
-def framework_kernels(results, points=FRAMEWORK_POINTS):
-    """The inference forward of torch's and JAX's ``triton`` call on the same inputs: each GPU kernel's device time
-    per call in each framework (one profiler sees both), the call alone and back to back (host clock, as
-    ``_clock``), and which ptxas each side's kernels were assembled by (triton's own for torch; jaxlib assembles
-    the PTX it is given with XLA's)."""
+def framework_kernels(results, points=FRAMEWORK_POINTS, modes=("fwd",)):
+    """Torch's and JAX's ``triton`` call on the same inputs, the inference forward (``fwd``) or the forward and
+    every gradient (``fwd+bwd``, as the benchmark calls them): each GPU kernel's device time per call in each
+    framework (one profiler sees both), the call alone and back to back (host clock, as ``_clock``), and which
+    ptxas each side's kernels were assembled by (triton's own for torch; jaxlib assembles the PTX it is given with
+    XLA's)."""
     import jax
     import torch
     import moe_jax
@@ -948,14 +955,29 @@ def framework_kernels(results, points=FRAMEWORK_POINTS):
 
     record(results, "framework-kernels", "ptxas", ptxas_versions)
 
-    def run(shape, T):
-        (gate_up, down), (x, idx, w, _) = _point(shape, T)
-        arrays = _jax_point(shape, T)[:5]
-        jitted = jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="triton", validate=False))
+    def jax_forward_backward(x, idx, w, gate_up, down, dout):
+        def forward(x, w, gate_up, down):
+            return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+        out, vjp = jax.vjp(forward, x, w, gate_up, down)
+        return out, vjp(dout)
+
+    def run(shape, T, mode):
+        (gate_up, down), (x, idx, w, dout) = _point(shape, T)
+        training = mode == "fwd+bwd"
+        arrays = _jax_point(shape, T)[:6 if training else 5]
+        if training:
+            jitted = jax.jit(lambda *a: jax_forward_backward(*a)[0])  # the gradients are outputs of the same call
+        else:
+            jitted = jax.jit(lambda *a: moe_jax.experts_forward(*a, implementation="triton", validate=False))
+        leaves = [t.detach().requires_grad_(training) for t in (x, w, gate_up, down)]
 
         def torch_call():
-            with torch.no_grad():
-                return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+            with torch.set_grad_enabled(training):
+                out = moe_torch.experts_forward(leaves[0], idx, leaves[1], leaves[2], leaves[3],
+                                                implementation="triton", validate=False)
+                if training:
+                    torch.autograd.grad(out, leaves, dout)
+                return out.detach()
 
         def torch_calls(n):
             for _ in range(n):
@@ -976,8 +998,9 @@ def framework_kernels(results, points=FRAMEWORK_POINTS):
                                     "kernels": kernels}
         return detail
 
-    for shape, T in points:
-        record(results, "framework-kernels", f"{shape} T={T} fwd", lambda shape=shape, T=T: run(shape, T))
+    for (shape, T), mode in itertools.product(points, modes):
+        record(results, "framework-kernels", f"{shape} T={T} {mode}",
+               lambda shape=shape, T=T, mode=mode: run(shape, T, mode))
     torch.cuda.empty_cache()
 
 
@@ -1466,11 +1489,15 @@ PARTS = {
     "profile": lambda results, args: profile_calls(results),
     "jax-profile": lambda results, args: jax_profile_calls(results),
     "launchers": lambda results, args: launcher_timings(results),
-    "framework-kernels": lambda results, args: framework_kernels(results),
+    "framework-kernels": lambda results, args: framework_kernels(
+        results, *((_step_points(args.framework_points), tuple(args.framework_modes.split(",")))
+                   if args.framework_points else ())),
     "graphed": lambda results, args: graphed_replays(results),
     "own-launcher": lambda results, args: own_launcher(
         results, *((_step_points(args.launcher_points),) if args.launcher_points else ())),
-    "host": lambda results, args: host_profile(results),
+    "host": lambda results, args: host_profile(
+        results, *((_step_points(args.framework_points), tuple(args.framework_modes.split(",")))
+                   if args.framework_points else ())),
     "launch": lambda results, args: direct_launch_checks(results),
     "decode-threshold": lambda results, args: _decode_threshold_part(results, args.configs_out),
     "steps": lambda results, args: step_timings(
@@ -1494,6 +1521,9 @@ def main():
     p.add_argument("--step-points", help="steps part: shape:T pairs instead of STEP_POINTS (comma-separated), "
                                          "their GEMM steps under variants at any T")
     p.add_argument("--step-plans", help="steps part: only these plans (fwd, bwd, decode; comma-separated)")
+    p.add_argument("--framework-points", help="framework-kernels and host parts: shape:T pairs instead of their "
+                                              "default points")
+    p.add_argument("--framework-modes", default="fwd", help="with --framework-points: fwd, fwd+bwd (comma-separated)")
     p.add_argument("--launcher-points", help="own-launcher part: shape:T pairs instead of OWN_LAUNCH_POINTS")
     p.add_argument("--merge-steps", nargs="+", type=Path, metavar="RESULTS",
                    help="no GPU: write the fastest step variants of these --parts steps results into --table")
@@ -1564,7 +1594,7 @@ def main():
                 v = d[side]
                 print("   ", side, "call", v["call_ms_median"], "stream", v["stream_ms"], "host", v["host_ms_median"],
                       "kernels", v["kernels_ms"])
-                for name, k in list(v["kernels"].items())[:6]:
+                for name, k in list(v["kernels"].items())[:12]:
                     print("       ", k["ms_per_call"], k["launches_per_call"], name[:80])
         elif r["kind"] == "own-launcher" and "moe" in r["detail"]:
             d = r["detail"]
