@@ -1482,7 +1482,7 @@ def _decode_threshold_part(results, configs_out: Path):
     def thresholds():
         decode = decode_thresholds(timings)
         name = f"{plans.device_file_name(torch.cuda.get_device_name())}.json"
-        table = json.loads((Path(plans.CONFIG_DIR) / name).read_text())
+        table = json.loads((Path(os.environ.get(plans.CONFIG_DIR_VARIABLE, plans.CONFIG_DIR)) / name).read_text())
         table["decode_max_slots"] = decode | {"default": table["decode_max_slots"].get("default", 16)}
         configs_out.mkdir(parents=True, exist_ok=True)
         (configs_out / name).write_text(json.dumps(table, indent=1) + "\n")
