@@ -536,15 +536,6 @@ DECODE_STEP_VARIANTS = [C(1, 16, 256, 4, 2), C(1, 32, 256, 4, 2), C(1, 16, 512, 
                         # and the down kernel one or two experts' tiles at a time
                         *(C(1, bn, bk, w, 2, EXPERTS_TOGETHER=j) for j in (1, 2)
                           for bn, bk, w in ((2, 1024, 4), (8, 2048, 8), (16, 512, 8), (4, 256, 4)))]
-# the decode kernels' products through tl.dot (DOT: a slot's row as the first of 16, its weight loads pipelined
-# over num_stages) and the down projection per slot with the combine kernel after it (BY_SLOT: S times the programs
-# of the fused down kernel, whose T * H / BN programs leave most SMs idle at T=1); each is both a gate/up and a
-# down candidate (BY_SLOT does not apply to gate/up)
-DECODE_MMA_VARIANTS = [*(C(1, bn, bk, w, st, BY_SLOT=True, DOT=True) for bn, bk, w, st in (
-                            (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (32, 64, 4, 4),
-                            (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (16, 128, 2, 4))),
-                       *(C(1, bn, bk, w, 2, BY_SLOT=True) for bn, bk, w in (
-                           (4, 256, 4), (8, 256, 4), (16, 256, 4), (4, 1024, 4), (8, 1024, 8), (2, 1024, 4)))]
 # kind -> (kernels, the candidates given the step's own config, the token counts it runs at: None for every point)
 VARIANTS = {
     "gemm": (("grouped_gemm_kernel",), lambda own: STEP_VARIANTS, (VARIANT_TOKENS,)),
@@ -559,11 +550,7 @@ VARIANTS = {
     "ws": (("grouped_gemm_kernel",), lambda own: [replace(own, BLOCK_TABLE=True), *WS_STEP_VARIANTS], None),
     "decode": (("decode_gate_up_kernel", "decode_down_combine_kernel"), lambda own: [own, *DECODE_STEP_VARIANTS],
                None),
-    "mma": (("decode_gate_up_kernel", "decode_down_combine_kernel", "decode_down_kernel"),
-            lambda own: [own, *DECODE_MMA_VARIANTS], None),
 }
-DECODE_LABELS = {"decode_gate_up_kernel": "decode_gate_up", "decode_down_combine_kernel": "decode_down",
-                 "decode_down_kernel": "decode_down"}  # the combine after decode_down_kernel is timed with it
 
 
 def _labelled_steps(problem, which):
@@ -573,7 +560,8 @@ def _labelled_steps(problem, which):
         labels = iter(("dgrad_down", "dgrad_up", "wgrad_down", "wgrad_gate_up"))
     elif which == "decode":
         plan = _forward_with_decode_limit(problem, 1 << 30)
-        return plan, [(DECODE_LABELS[s.kernel], s) for s in plan.steps if s.kernel in DECODE_LABELS]
+        return plan, [({"decode_gate_up_kernel": "decode_gate_up", "decode_down_combine_kernel": "decode_down"}[
+            s.kernel], s) for s in plan.steps]
     else:
         plan = _forward_with_decode_limit(problem, 0)
         labels = iter(("gate_up", "down"))
@@ -643,18 +631,12 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
                        "config": [c.get("BM", c.get("BR")), c.get("BN"), c.get("BK"), step.num_warps,
                                   step.num_stages, c.get("GROUP_M"), c.get("B_DESC", c.get("DESC")),
                                   c.get("WARP_SPECIALIZE"), c.get("SHORT_TAILS"), c.get("A_DESC"),
-                                  c.get("PROGRAMS"), c.get("JB"), c.get("BLOCK_TABLE"),
-                                  step.kernel == "decode_down_kernel" or None, c.get("DOT")]}
+                                  c.get("PROGRAMS"), c.get("JB"), c.get("BLOCK_TABLE")]}
                 gathers = [g for g in (plan.steps if plan else ()) if g.kernel == "gather_rows_kernel"
                            and g.outputs[0].name == step.inputs[0]]
                 if gathers:  # a gather this plan adds for this step alone: its time is the step's too
                     out["gather_ms"] = round(do_bench(launcher(gathers[0], env), warmup=5, rep=40), 4)
                     out["ms"] = round(ms + out["gather_ms"], 4)
-                combines = [c for c in (plan.steps if plan else ()) if c.kernel == "combine_kernel"
-                            and step.outputs[0].name in c.inputs]
-                if which == "decode" and combines:  # the combine after a per-slot down kernel
-                    out["combine_ms"] = round(do_bench(launcher(combines[0], env), warmup=5, rep=40), 4)
-                    out["ms"] = round(out["ms"] + out["combine_ms"], 4)
                 if written:  # and so is the time of writing its block table
                     out["table_ms"] = round(sum(do_bench(launcher(t, env), warmup=5, rep=40) for t in written), 4)
                     out["ms"] = round(out["ms"] + out["table_ms"], 4)
@@ -680,7 +662,7 @@ def step_timings(results, variant_kinds=("gemm", "wgrad"), tokens=None, points=S
                         plan, labelled_now = _labelled_steps(problem, which)
                         step = dict(labelled_now)[label]
                         try:
-                            out.append(m(label, step, plan=plan if which in ("fwd", "decode") else None,
+                            out.append(m(label, step, plan=plan if which == "fwd" else None,
                                          tables=[t for t in plan.steps if t.kernel == "route_blocks_kernel"]))
                         except Exception as err:
                             out.append({"config": list(v.__dict__.values()), "error": str(err)[:200]})
@@ -708,7 +690,7 @@ STEP_KEYS = {"gate_up": lambda H, I: ("gate_up", I, H), "down": lambda H, I: ("d
              "wgrad_down": lambda H, I: ("wgrad", H, I), "wgrad_gate_up": lambda H, I: ("wgrad", 2 * I, H),
              "decode_gate_up": lambda H, I: ("decode", I, H), "decode_down": lambda H, I: ("decode", H, I)}
 CONFIG_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "GROUP_M", "TMA", "WARP_SPECIALIZE", "SHORT_TAILS",
-                 "A_TMA", "PROGRAMS", "EXPERTS_TOGETHER", "BLOCK_TABLE", "BY_SLOT", "DOT")
+                 "A_TMA", "PROGRAMS", "EXPERTS_TOGETHER", "BLOCK_TABLE")
 
 
 MERGE_MARGIN = 0.05  # a variant replaces the step's own config only when this much faster (run-to-run noise)
@@ -743,7 +725,7 @@ def merge_step_variants(result_files, table_path: Path) -> list[dict]:
             continue
         config = dict(zip(CONFIG_FIELDS, t["config"]))
         config = {f: v for f, v in config.items() if v is not None}
-        for flag in ("TMA", "A_TMA", "BLOCK_TABLE", "BY_SLOT", "DOT"):
+        for flag in ("TMA", "A_TMA", "BLOCK_TABLE"):
             if flag in config:
                 config[flag] = bool(config[flag])
         written.append({"kernel": kernel, "N": N, "K": K, "E": E, "slots": slots, "config": config, "ms": t["ms"],

@@ -113,36 +113,6 @@ def _problem(T, k=2, E=4, H=16, I=8, **kw):
                          gate_up_strides=(2 * I * H, H, 1), down_strides=(H * I, I, 1), **kw)
 
 
-@pytest.mark.parametrize("up_dot, by_slot, down_dot", [(True, False, False), (False, True, False),
-                                                       (True, True, True), (False, True, True)])
-@pytest.mark.parametrize("k", [3, 5])
-def test_decode_kernels_on_the_tensor_cores_and_down_by_slot(up_dot, by_slot, down_dot, k, monkeypatch):
-    """Decode tiles with DOT (a slot's row as the first of 16 rows through tl.dot) and BY_SLOT (the down
-    projection per slot, then the combine kernel): the plan takes the kernels the tiles ask for; with empty slots,
-    an unchecked id, biases and H, I off the tile sizes they stay within the tolerance of the reference, and torch
-    and JAX give the same bits."""
-    from moe_shared import reference
-
-    up = plans.TileConfig(BM=1, BN=16, BK=16, num_warps=4, num_stages=2, DOT=up_dot)
-    down = plans.TileConfig(BM=1, BN=16, BK=16, num_warps=4, num_stages=2, BY_SLOT=by_slot, DOT=down_dot)
-    monkeypatch.setitem(plans.OVERRIDES, ("decode", 24, 40, 6), up)
-    monkeypatch.setitem(plans.OVERRIDES, ("decode", 40, 24, 6), down)
-    plans.clear_caches()
-    steps = plans.forward_plan(_problem(T=3, k=k, E=6, H=40, I=24)).steps
-    assert [s.kernel for s in steps] == ["decode_gate_up_kernel"] + (
-        ["decode_down_kernel", "combine_kernel"] if by_slot else ["decode_down_combine_kernel"])
-    assert steps[0].constants["DOT"] == up_dot and steps[1].constants.get("DOT", False) == (by_slot and down_dot)
-    arrays, _ = random_case(30 + k, T=3, H=40, I=24, E=6, k=k, bias=True)
-    arrays["top_k_index"][0, 1], arrays["top_k_index"][2, k - 1] = -1, 11
-    cleaned = dict(arrays, top_k_index=np.where(arrays["top_k_index"] < 6, arrays["top_k_index"], -1))
-    want = reference.experts_forward(**cleaned)
-    for dtype in ("bfloat16", "float32"):
-        ours = torch_run(arrays, dtype, training=False)["out"]
-        assert relative_l2(ours, want) <= SPEC.tolerance_for(dtype), dtype
-        np.testing.assert_array_equal(jax_run(arrays, dtype, training=False)["out"], ours)
-    plans.clear_caches()
-
-
 def test_plans_pick_the_decode_kernels_for_few_slots_at_inference_only():
     names = lambda plan: [s.kernel for s in plan.steps]
     few = _problem(T=4)  # 8 slots

@@ -543,45 +543,14 @@ def _gate_up_dots(x_row, w_rows, n_live, W_DTYPE: tl.constexpr, H: tl.constexpr,
     return gate, up
 
 
-_MMA_ROWS = tl.constexpr(16)  # the fewest rows tl.dot takes: a slot's row is the first, the others zeros
-
-
-@triton.jit
-def _row_times_tiles(a_row, w_base, offs_n, n_live, K: tl.constexpr, stride_n: tl.constexpr,
-                     stride_k: tl.constexpr, SECOND: tl.constexpr, W_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """(W[n] @ a, W[n + SECOND] @ a), float32 [BN] each, on the tensor cores: the row at ``a_row`` (rounded to the
-    weights' dtype) as the first of _MMA_ROWS rows times [BK, BN] tiles of the weight rows ``offs_n`` at
-    ``w_base`` (tl.dot, so their loads are pipelined through shared memory over num_stages). Without SECOND
-    (0) the second result is zeros and nothing more is read."""
-    tl.static_assert((BN >= 16) & (BK >= 16), "tl.dot takes tiles of at least 16 x 16")
-    offs_k = tl.arange(0, BK)
-    first = (tl.arange(0, _MMA_ROWS) == 0)[:, None]
-    acc = tl.zeros([_MMA_ROWS, BN], dtype=tl.float32)
-    acc2 = tl.zeros([_MMA_ROWS, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_live = offs_k < K - k0
-        a = tl.load(a_row + k0 + offs_k, mask=k_live, other=0.0).to(W_DTYPE)
-        a = tl.where(first, a[None, :], tl.zeros([_MMA_ROWS, BK], W_DTYPE))
-        w_ptrs = w_base + offs_n[None, :] * stride_n + (k0 + offs_k)[:, None] * stride_k
-        mask = k_live[:, None] & n_live[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=mask, other=0.0), acc, input_precision=DOT_PRECISION)
-        if SECOND:
-            acc2 = tl.dot(a, tl.load(w_ptrs + SECOND * stride_n, mask=mask, other=0.0), acc2,
-                          input_precision=DOT_PRECISION)
-    return tl.sum(acc, 0), tl.sum(acc2, 0)  # the zero rows add exact zeros
-
-
 @triton.jit
 def decode_gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, S, act_ptr,
                           E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                           stride_we: tl.constexpr, stride_wn: tl.constexpr, stride_wk: tl.constexpr,
                           stride_bias_e: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr = False,
-                          DOT_PRECISION: tl.constexpr = "tf32"):
+                          BN: tl.constexpr, BK: tl.constexpr):
     """act[s, n] = act(g) * u for slot s, [g; u] = gate_up[e] @ x[s // k] (+ bias): each program streams a
-    [BN, H] slice of its expert's gate and up rows once, summing products on the CUDA cores, or with ``DOT``
-    through tl.dot (``_row_times_tiles``)."""
+    [BN, H] slice of its expert's gate and up rows once."""
     pid = tl.program_id(0)
     num_n: tl.constexpr = (I + BN - 1) // BN
     s = pid // num_n
@@ -591,56 +560,14 @@ def decode_gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, S, act_ptr,
     offs_n = (pid % num_n) * BN + tl.arange(0, BN)
     n_live = offs_n < I
     x_row = x_ptr + (s // TOP_K).to(tl.int64) * H
-    w_expert = w_ptr + expert.to(tl.int64) * stride_we
-    if DOT:
-        gate, up = _row_times_tiles(x_row, w_expert, offs_n, n_live, H, stride_wn, stride_wk, I,
-                                    w_ptr.dtype.element_ty, DOT_PRECISION, BN, BK)
-    else:
-        gate, up = _gate_up_dots(x_row, w_expert + offs_n[:, None] * stride_wn, n_live, w_ptr.dtype.element_ty,
-                                 H, I, stride_wn, stride_wk, BN, BK)
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+    gate, up = _gate_up_dots(x_row, w_rows, n_live, w_ptr.dtype.element_ty, H, I, stride_wn, stride_wk, BN, BK)
     if HAS_BIAS:
         bias_row = bias_ptr + expert.to(tl.int64) * stride_bias_e
         gate += tl.load(bias_row + offs_n, mask=n_live, other=0.0).to(tl.float32)
         up += tl.load(bias_row + I + offs_n, mask=n_live, other=0.0).to(tl.float32)
     out = _activate(gate, ACTIVATION) * up
     tl.store(act_ptr + s.to(tl.int64) * I + offs_n, out.to(act_ptr.dtype.element_ty), mask=n_live)
-
-
-@triton.jit
-def decode_down_kernel(act_ptr, ids_ptr, down_ptr, bias_ptr, S, y_ptr,
-                       E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                       stride_de: tl.constexpr, stride_dn: tl.constexpr, stride_dk: tl.constexpr,
-                       stride_bias_e: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[s] = down[e] @ act[s] (+ bias) in y's dtype, one program per slot and [BN] outputs (``combine_kernel``
-    sums a token's rows after it): S times the programs of ``decode_down_combine_kernel``, for few tokens. Empty
-    slots are not written (the combine does not read them). The products on the CUDA cores, or with ``DOT``
-    through tl.dot (``_row_times_tiles``)."""
-    pid = tl.program_id(0)
-    num_n: tl.constexpr = (H + BN - 1) // BN
-    s = pid // num_n
-    expert = tl.load(ids_ptr + s)
-    if (expert < 0) | (expert >= E):
-        return
-    offs_n = (pid % num_n) * BN + tl.arange(0, BN)
-    n_live = offs_n < H
-    a_row = act_ptr + s.to(tl.int64) * I
-    d_expert = down_ptr + expert.to(tl.int64) * stride_de
-    if DOT:
-        y, _ = _row_times_tiles(a_row, d_expert, offs_n, n_live, I, stride_dn, stride_dk, 0,
-                                down_ptr.dtype.element_ty, DOT_PRECISION, BN, BK)
-    else:
-        offs_k = tl.arange(0, BK)
-        y = tl.zeros([BN], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            k_live = offs_k < I - k0
-            a = tl.load(a_row + k0 + offs_k, mask=k_live, other=0.0).to(tl.float32)
-            d = tl.load(d_expert + offs_n[:, None] * stride_dn + (k0 + offs_k)[None, :] * stride_dk,
-                        mask=n_live[:, None] & k_live[None, :], other=0.0).to(tl.float32)
-            y += tl.sum(d * a[None, :], 1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n, mask=n_live, other=0.0).to(tl.float32)
-    tl.store(y_ptr + s.to(tl.int64) * H + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_live)
 
 
 @triton.jit

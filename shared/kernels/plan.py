@@ -100,9 +100,6 @@ class TileConfig:
     BLOCK_TABLE: bool = False  # grouped GEMMs: each row block's expert and rows read from a table a step before
     # writes (no reduction over the experts ahead of the K loop, which triton's Hopper warp specialization needs)
     EXPERTS_TOGETHER: int = 0  # decode down kernel: the slots' experts whose weight tiles load as one block (0: all k)
-    BY_SLOT: bool = False  # decode down: one program per slot and N tile (decode_down_kernel), the combine after it
-    DOT: bool = False  # decode kernels (the down one with BY_SLOT): the products through tl.dot, a slot's row the
-    # first of 16 (its weight loads pipelined through shared memory over num_stages)
 
 
 def _pow2(n: int) -> int:
@@ -399,26 +396,15 @@ def forward_plan(problem: Problem, *, training: bool = False) -> Plan:
                  (Buffer("act", (S, I), WEIGHTS),),
                  dict(E=E, H=H, I=I, TOP_K=problem.k, stride_we=g_e, stride_wn=g_n, stride_wk=g_k,
                       stride_bias_e=gate_bias_stride, HAS_BIAS=gate_has_bias,
-                      ACTIVATION=ACTIVATION_CODES[problem.activation], BN=up.BN, BK=up.BK, DOT=up.DOT,
-                      DOT_PRECISION=_dot_precision(problem)),
-                 up.num_warps, up.num_stages)]
-        if down.BY_SLOT:
-            steps += [
-                Step("decode_down_kernel", S * _cdiv(H, down.BN), ("act", "ids", "down", down_bias, S),
-                     (Buffer("y", (S, H), WEIGHTS),),
-                     dict(E=E, H=H, I=I, stride_de=d_e, stride_dn=d_n, stride_dk=d_k, stride_bias_e=down_bias_stride,
-                          HAS_BIAS=down_has_bias, DOT=down.DOT, DOT_PRECISION=_dot_precision(problem), BN=down.BN,
-                          BK=down.BK),
-                     down.num_warps, down.num_stages),
-                _combine(problem, "y", Buffer("out", (T, H), HIDDEN), weighted=True)]
-        else:
-            steps.append(Step(
-                "decode_down_combine_kernel", T * _cdiv(H, down.BN), ("act", "ids", "w", "down", down_bias, T),
-                (Buffer("out", (T, H), HIDDEN),),
-                dict(E=E, H=H, I=I, TOP_K=problem.k, stride_de=d_e, stride_dn=d_n, stride_dk=d_k,
-                     stride_bias_e=down_bias_stride, HAS_BIAS=down_has_bias, KP=_pow2(problem.k),
-                     JB=_experts_together(down, problem.k), BN=down.BN, BK=down.BK),
-                down.num_warps, down.num_stages))
+                      ACTIVATION=ACTIVATION_CODES[problem.activation], BN=up.BN, BK=up.BK),
+                 up.num_warps, up.num_stages),
+            Step("decode_down_combine_kernel", T * _cdiv(H, down.BN), ("act", "ids", "w", "down", down_bias, T),
+                 (Buffer("out", (T, H), HIDDEN),),
+                 dict(E=E, H=H, I=I, TOP_K=problem.k, stride_de=d_e, stride_dn=d_n, stride_dk=d_k,
+                      stride_bias_e=down_bias_stride, HAS_BIAS=down_has_bias, KP=_pow2(problem.k),
+                      JB=_experts_together(down, problem.k), BN=down.BN, BK=down.BK),
+                 down.num_warps, down.num_stages),
+        ]
         return _finish(steps, "out")
     accumulate = not (problem.deterministic or training)
     steps = _route_steps(problem.S, problem.E)
