@@ -536,6 +536,10 @@ DECODE_STEP_VARIANTS = [C(1, 16, 256, 4, 2), C(1, 32, 256, 4, 2), C(1, 16, 512, 
                         # and the down kernel one or two experts' tiles at a time
                         *(C(1, bn, bk, w, 2, EXPERTS_TOGETHER=j) for j in (1, 2)
                           for bn, bk, w in ((2, 1024, 4), (8, 2048, 8), (16, 512, 8), (4, 256, 4)))]
+# The decode kernels' products through tl.dot (a slot's row as the first of 16, its weight loads pipelined over
+# num_stages) and the down projection per slot with the combine kernel after it were no faster than these tiles at
+# any decode point on the H100 (tests/device_results/nvidia-h100-triton-decode-mma.json), so the kernels have no
+# such modes.
 # kind -> (kernels, the candidates given the step's own config, the token counts it runs at: None for every point)
 VARIANTS = {
     "gemm": (("grouped_gemm_kernel",), lambda own: STEP_VARIANTS, (VARIANT_TOKENS,)),
