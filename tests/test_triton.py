@@ -728,6 +728,50 @@ def test_a_bound_plan_launches_from_addresses_with_the_bits_of_the_plan(name, de
     assert relative_l2(bound.double().numpy(), case.expected["out"]) <= tol
 
 
+def _training_step(ts, grad_output):
+    """The output and every gradient (x, routing weights, both weights, the biases) of one eager training call."""
+    leaves = {n: t.detach().requires_grad_(True) for n, t in ts.items()
+              if n in DIFF_ARGS and t is not None}
+    out = torch_triton_backend.experts_forward(**(ts | leaves))
+    return out, leaves
+
+
+@pytest.mark.parametrize("name", ["bfloat16-uniform-T7", "bfloat16-empty-slots-T64", "float32-one-expert-T64"])
+def test_bound_training_steps_launch_from_addresses_with_the_bits_of_the_plans(name, monkeypatch):
+    """Eager training binds the forward and the backward plans at a key's first step; later steps run both from
+    addresses (the forward's residuals in its workspace, read by the backward at their offsets), with the plans'
+    bits. A second forward before the first step's backward, backward in the other order: the backward of the
+    bound forward (not bound yet) reads the residuals as views of that workspace and binds; the first forward's
+    backward then runs bound on its own residual tensors; the same bits again."""
+    case = next(c for c in CASES if c.name == name)
+    counts = _launches_from_addresses(monkeypatch)
+    ts = to_torch(case.inputs, case.dtype)
+    grad_output = torch.from_numpy(np.asarray(case.grad_output, np.float32)).to(ts["hidden_states"].dtype)
+
+    def grads(out, leaves):
+        return [out.detach()] + list(torch.autograd.grad(out, list(leaves.values()), grad_output))
+
+    first = grads(*_training_step(ts, grad_output))
+    plan_launches = counts["plan"]
+    assert plan_launches and counts["addresses"] == 0
+    assert all(bound is not None for bound in torch_triton_backend._BOUND.values())
+    assert sorted(key[0] for key in torch_triton_backend._BOUND) == ["backward", "train"]
+    bound = grads(*_training_step(ts, grad_output))
+    assert counts == {"plan": plan_launches, "addresses": plan_launches}
+    for a, b in zip(first, bound, strict=True):
+        assert torch.equal(a, b)
+    tol = SPEC.tolerance_for(case.dtype)
+    assert relative_l2(bound[0].double().numpy(), case.expected["out"]) <= tol
+
+    torch_triton_backend._BOUND.clear()
+    early, late = _training_step(ts, grad_output), _training_step(ts, grad_output)  # the second one bound
+    late_grads = grads(*late)  # its backward not bound yet: the residuals as views of the forward's workspace
+    assert sorted(key[0] for key in torch_triton_backend._BOUND) == ["backward", "train"]
+    early_grads = grads(*early)  # bound, on the first forward's residual tensors
+    for a, b, c in zip(first, late_grads, early_grads, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_bound_plans_are_kept_per_shape_alignment_and_option(monkeypatch):
     """Another shape, an input at another address modulo 16 (triton specializes on it) or another option binds
     again; a call with no tokens runs its plan (its steps launch nothing) and is never bound."""
@@ -774,13 +818,14 @@ def test_bound_plan_workspace_holds_each_buffer_apart_and_aligned():
                                                                                             made.values()))
     assert all(o % torch_triton_backend.WORKSPACE_ALIGN == 0 for o, _ in spans)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])) and spans[-1][1] <= bound.workspace_bytes
-    values = bound.values(list(range(100, 107)), 1000, 1 << 20)
+    values = bound.values(list(range(100, 107)), [1000], 1 << 20)
     names = list(torch_triton_backend.CALL_INPUTS) + [plan.output] + list(made)
     for step, (_, grid, arguments, _) in zip(plan.steps, bound.launches):
         expected = [a if not isinstance(a, str) else values[names.index(a)] for a in step.inputs]
         expected += [values[names.index(b.name)] for b in step.outputs]
         assert list(arguments(values)) == expected and grid == step.grid
-    assert bound.output_shape == plan.buffers[plan.output].shape and not bound.output_zeroed
+    assert bound.outputs == ((plan.buffers[plan.output].shape, dtypes[plan.buffers[plan.output].dtype], False),)
+    assert [name for name, _, _ in bound.workspace] == list(made)
 
 
 def test_plans_that_cannot_run_from_addresses_are_not_bound():

@@ -22,8 +22,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from moe_shared import load_spec
 from moe_shared.kernels import plan as plans
 
-from ..base import op_free_training
-
 NAME = "triton"
 SUPPORT = load_spec().backends[NAME].support("torch")
 
@@ -203,50 +201,66 @@ WORKSPACE_ALIGN = 256  # bytes: each buffer of the workspace starts at a multipl
 
 @dataclass(frozen=True)
 class _Bound:
-    """An inference plan ready to launch from its call's pointers: every step's direct launch (``_direct_launch``)
-    and constants, and its arguments as picked from the call's values (``values``: the call's tensors' addresses
-    in ``CALL_INPUTS`` order, the output's, each workspace buffer's, then the plan's integers). The plan's output
-    is allocated alone (it is returned); every other buffer the steps make lies in one workspace at ``offsets``
-    (bytes), so that a call allocates twice and passes addresses, which triton's C launcher takes without asking
-    the driver about each tensor."""
+    """A plan ready to launch from its call's pointers: every step's direct launch (``_direct_launch``) and
+    constants, and its arguments as picked from the call's values (``values``: the addresses of the tensors the
+    call gives, in the order it was bound with, each output's, each workspace buffer's, then the plan's integers).
+    The outputs are allocated apart (they are returned); every other buffer the steps make lies in one workspace
+    at ``offsets`` (bytes), so that a call allocates once per output and once more, and passes addresses, which
+    triton's C launcher takes without asking the driver about each tensor."""
 
     launches: tuple[tuple, ...]  # (direct launch, grid, values -> its arguments, constants) per step
-    offsets: tuple[int, ...]  # byte offset of each workspace buffer, in the order of the values after the output's
+    workspace: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (name, shape, dtype) of each workspace buffer
+    offsets: tuple[int, ...]  # byte offset of each workspace buffer, in the order of ``workspace``
     workspace_bytes: int
-    output_shape: tuple[int, ...]
-    output_dtype: torch.dtype
-    output_zeroed: bool
+    outputs: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]  # (shape, dtype, starts as zeros) of each output
     integers: tuple[int, ...]
 
-    def values(self, pointers: list[int], output: int, workspace: int) -> list[int]:
-        return [*pointers, output, *(workspace + o for o in self.offsets), *self.integers]
+    def values(self, pointers: list[int], outputs: list[int], workspace: int) -> list[int]:
+        return [*pointers, *outputs, *(workspace + o for o in self.offsets), *self.integers]
 
-    def run(self, tensors: tuple, stream: int) -> torch.Tensor:
-        device = tensors[0].device
-        out = (torch.zeros if self.output_zeroed else torch.empty)(self.output_shape, dtype=self.output_dtype,
-                                                                   device=device)
+    def run(self, pointers: list[int], device: torch.device, stream: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The outputs and the workspace of one call given its tensors' addresses (``pointers``)."""
+        outs = [(torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+                for shape, dtype, zeroed in self.outputs]
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
-        values = self.values([0 if t is None else t.data_ptr() for t in tensors], out.data_ptr(),
-                             workspace.data_ptr())
+        values = self.values(pointers, [o.data_ptr() for o in outs], workspace.data_ptr())
         for launch, grid, arguments, constants in self.launches:
             launch(grid, stream, arguments(values), constants)
-        return out
+        return outs, workspace
+
+    def addresses(self, names: tuple[str, ...], workspace: int) -> list[int]:
+        """The addresses of these workspace buffers in a workspace at ``workspace``."""
+        where = {name: offset for (name, _, _), offset in zip(self.workspace, self.offsets)}
+        return [workspace + where[name] for name in names]
+
+    def views(self, names: tuple[str, ...], workspace: torch.Tensor) -> list[torch.Tensor]:
+        """These workspace buffers as tensors over ``workspace``."""
+        layout = {name: (shape, dtype, offset) for (name, shape, dtype), offset in zip(self.workspace, self.offsets)}
+        views = []
+        for name in names:
+            shape, dtype, offset = layout[name]
+            views.append(workspace[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+        return views
 
 
-def _bind(plan: plans.Plan, launched: list, dtypes: dict) -> _Bound | None:
-    """``plan`` bound to the launches ``run_plan`` made of it (``launched``), or None where a call cannot run it
-    from addresses: a step without a direct launch or with an empty grid, or a workspace buffer that must start
-    as zeros."""
+def _bind(plan: plans.Plan, launched: list, dtypes: dict, inputs: tuple[str, ...] | None = None,
+          outputs: tuple[str, ...] | None = None) -> _Bound | None:
+    """``plan`` bound to the launches ``run_plan`` made of it (``launched``), taking the addresses of the buffers
+    ``inputs`` (default ``CALL_INPUTS``) and allocating ``outputs`` (default the plan's output) apart; or None where
+    a call cannot run it from addresses: a step without a direct launch or with an empty grid, or a workspace buffer
+    that must start as zeros."""
+    inputs = CALL_INPUTS if inputs is None else inputs
+    outputs = (plan.output,) if outputs is None else outputs
     if len(launched) != len(plan.steps) or any(used is None or used[0] is None for used in launched):
         return None
-    made = [b for step in plan.steps for b in step.outputs]
     zeroed = {step.outputs[i].name for step in plan.steps for i in step.zeroed}
-    if zeroed - {plan.output}:
+    if zeroed - set(outputs):
         return None
-    names = list(CALL_INPUTS) + [plan.output]
-    offsets, size = [], 0
-    for buffer in {b.name: b for b in made if b.name != plan.output}.values():
+    names = list(inputs) + list(outputs)
+    workspace, offsets, size = [], [], 0
+    for buffer in {b.name: b for step in plan.steps for b in step.outputs if b.name not in names}.values():
         names.append(buffer.name)
+        workspace.append((buffer.name, buffer.shape, dtypes[buffer.dtype]))
         offsets.append(size)
         nbytes = math.prod(buffer.shape) * dtypes[buffer.dtype].itemsize
         size += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
@@ -256,9 +270,8 @@ def _bind(plan: plans.Plan, launched: list, dtypes: dict) -> _Bound | None:
         (direct, step.grid, _getter([index[a if isinstance(a, str) else ("int", a)] for a in step.inputs]
                                     + [index[b.name] for b in step.outputs]), constants)
         for step, (direct, constants) in zip(plan.steps, launched))
-    output = plan.buffers[plan.output]
-    return _Bound(launches, tuple(offsets), max(size, 1), output.shape, dtypes[output.dtype],
-                  plan.output in zeroed, tuple(integers))
+    made = tuple((plan.buffers[n].shape, dtypes[plan.buffers[n].dtype], n in zeroed) for n in outputs)
+    return _Bound(launches, tuple(workspace), tuple(offsets), max(size, 1), made, tuple(integers))
 
 
 def _getter(indices: list[int]) -> Callable[[list], tuple]:
@@ -279,6 +292,10 @@ def _call_key(tensors: tuple, activation: str, deterministic: bool, current: int
     return (activation, deterministic, current, _layout(x), _layout(ids), _layout(w), _layout(gate_up),
             _layout(down), None if gate_up_bias is None else _layout(gate_up_bias),
             None if down_bias is None else _layout(down_bias))
+
+
+def _pointers(tensors) -> list[int]:
+    return [0 if t is None else t.data_ptr() for t in tensors]
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -307,17 +324,27 @@ def _inference(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, de
         key = _call_key(tensors, activation, deterministic, current)
         bound = _BOUND.get(key)
         if bound is not None:
-            out = bound.run(tensors, stream)
+            (out,), _ = bound.run(_pointers(tensors), x.device, stream)
             return out if out.dtype == x.dtype else out.to(x.dtype)
     plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation, deterministic))
     env = _inputs(*tensors)
-    launched = [] if key is not None and key not in _BOUND and all(step.grid for step in plan.steps) else None
+    launched = _binding(key, plan)
     env = run_plan(plan, env, launched=launched)
     if launched is not None:
-        if len(_BOUND) >= _MAX_BOUND:
-            _BOUND.clear()
-        _BOUND[key] = _bind(plan, launched, _DTYPE_ROLES | _dtypes(env))
+        _remember(key, _bind(plan, launched, _DTYPE_ROLES | _dtypes(env)))
     return env[plan.output].to(x.dtype)
+
+
+def _binding(key: tuple | None, plan: plans.Plan) -> list | None:
+    """The list ``run_plan`` fills with its launches where the call binds its plan (a key not bound yet, every
+    step launching), else None."""
+    return [] if key is not None and key not in _BOUND and all(step.grid for step in plan.steps) else None
+
+
+def _remember(key: tuple, bound: _Bound | None) -> None:
+    if len(_BOUND) >= _MAX_BOUND:
+        _BOUND.clear()
+    _BOUND[key] = bound
 
 
 @torch.library.custom_op("moe_torch::triton_experts", mutates_args=())
@@ -413,10 +440,84 @@ triton_experts_train.register_autograd(lambda ctx, grads: _input_gradients(ctx, 
                                        setup_context=_setup_context)
 
 
-_EagerTraining = op_free_training(_training_forward, _setup_context,
-                                  lambda ctx, dout: _input_gradients(ctx, dout, _backward_gradients))
-"""Training in eager mode: the training ops' functions without the op dispatch, about a quarter less host time per
-step (383 -> 280 us with the launches left out)."""
+_BACKWARD_INPUTS = CALL_INPUTS + ("dout",) + _RESIDUALS
+"""The buffer names of a bound backward's addresses, in order: the call's tensors, the output's gradient, the
+training forward's residuals."""
+
+
+def _eager_training_forward(tensors: tuple, activation: str) -> tuple:
+    """The training forward in eager mode: (the output, what the backward reads, the bound plan that ran or None,
+    the call's key or None). On CUDA, launching directly, a key seen before runs its bound plan, which keeps the
+    residuals in its workspace (what the backward reads is then that workspace); the first runs the plan and
+    binds it."""
+    x = tensors[0]
+    current, stream = _launch_place(x.device)
+    key = None
+    if stream is not None:
+        key = ("train", _call_key(tensors, activation, True, current))
+        bound = _BOUND.get(key)
+        if bound is not None:
+            (out,), workspace = bound.run(_pointers(tensors), x.device, stream)
+            return out, (workspace,), bound, key
+    x, ids, w, gate_up, down, gate_up_bias, down_bias = tensors
+    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation), training=True)
+    launched = _binding(key, plan)
+    env = run_plan(plan, _inputs(*tensors), launched=launched)
+    if launched is not None:
+        _remember(key, _bind(plan, launched, _DTYPE_ROLES | _dtypes(env)))
+    return env[plan.output], tuple(env[n] for n in _RESIDUALS), None, key
+
+
+def _eager_backward(tensors: tuple, kept: tuple, forward: _Bound | None, forward_key: tuple | None,
+                    dout: torch.Tensor, activation: str) -> list[torch.Tensor]:
+    """The gradients (in ``_GRADIENTS`` order, the biases' where present) from what ``_eager_training_forward``
+    gave; on CUDA a backward of a key seen before runs its bound plan, given the residuals' addresses."""
+    x = tensors[0]
+    dout = dout.contiguous()
+    current, stream = _launch_place(x.device)
+    key = None
+    if stream is not None and forward_key is not None:
+        key = ("backward", forward_key, _layout(dout))
+        bound = _BOUND.get(key)
+        if bound is not None:
+            residuals = forward.addresses(_RESIDUALS, kept[0].data_ptr()) if forward else _pointers(kept)
+            grads, _ = bound.run(_pointers(tensors) + [dout.data_ptr()] + residuals, x.device, stream)
+            return grads
+    x, ids, w, gate_up, down, gate_up_bias, down_bias = tensors
+    plan = plans.backward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
+    residuals = forward.views(_RESIDUALS, kept[0]) if forward else kept
+    env = _inputs(*tensors) | dict(zip(_RESIDUALS, residuals)) | {"dout": dout}
+    launched = _binding(key, plan)
+    env = run_plan(plan, env, launched=launched)
+    names = tuple(n for n in _GRADIENTS if n in plan.buffers)
+    if launched is not None:
+        _remember(key, _bind(plan, launched, _DTYPE_ROLES | _dtypes(env), _BACKWARD_INPUTS, names))
+    return [env[n] for n in names]
+
+
+class _EagerTraining(torch.autograd.Function):
+    """Training in eager mode: the training plans without the op dispatch, and from a call's second key on, run
+    bound (``_Bound``): the forward's residuals in one workspace, the backward's gradients allocated apart and its
+    other buffers in a workspace of its own."""
+
+    @staticmethod
+    def forward(ctx, x, ids, w, gate_up, down, gate_up_bias, down_bias, activation):
+        tensors = (x, ids.contiguous(), w.contiguous(), gate_up, down, gate_up_bias, down_bias)
+        out, kept, ctx.bound, ctx.key = _eager_training_forward(tensors, activation)
+        ctx.activation = activation
+        ctx.has_bias = (gate_up_bias is not None, down_bias is not None)
+        ctx.save_for_backward(*tensors, *kept)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        tensors, kept = saved[:len(CALL_INPUTS)], saved[len(CALL_INPUTS):]
+        dx, dw, d_gate_up, d_down, *bias_grads = _eager_backward(tensors, kept, ctx.bound, ctx.key, dout,
+                                                                 ctx.activation)
+        d_gate_up_bias = bias_grads.pop(0) if ctx.has_bias[0] else None
+        d_down_bias = bias_grads.pop(0) if ctx.has_bias[1] else None
+        return dx, None, dw.view(tensors[2].shape), d_gate_up, d_down, d_gate_up_bias, d_down_bias, None
 
 
 def experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
