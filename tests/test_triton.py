@@ -1007,20 +1007,6 @@ def test_tuned_tables_hold_tile_configs_the_planner_picks():
                                      entry["slots"]) == cfg
 
 
-def test_a_tuned_entry_stands_for_slot_counts_within_twice_its_own(monkeypatch):
-    """The nearest entry within 2x of the slot count is taken; farther from every entry of the kernel and shape,
-    the documented default for that many rows per expert."""
-    tuned = plans.TileConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
-    table = {"configs": [{"kernel": "dgrad_up", "N": 64, "K": 32, "E": 4, "slots": 4096, "config": vars(tuned)}]}
-    monkeypatch.setattr(plans, "_tuned", lambda device: table)
-    for slots in (2048, 4096, 8192, 2049 * 2):
-        assert plans.tile_config("a device", "dgrad_up", 64, 32, 4, slots) == tuned
-    for slots in (2047, 8193, 64):
-        assert plans.tile_config("a device", "dgrad_up", 64, 32, 4, slots) == plans.default_config(
-            "dgrad_up", 64, 32, slots / 4)
-    assert plans.default_config("dgrad_up", 64, 32, 64 / 4).BM == 16
-
-
 def test_merging_step_variants_keeps_the_fastest_per_step(tmp_path):
     """``device_triton_check.py --merge-steps``: the fastest measured variant of each step replaces the table's
     entry of that kernel, shape and slot count where it beats the step's own config by MERGE_MARGIN; failed

@@ -165,15 +165,9 @@ def clear_caches() -> None:
     _tuned.cache_clear()
 
 
-TUNED_REACH = 1.0
-"""log2 of the slot counts a tuned entry stands for around its own: within 2x it is taken; farther from every
-entry of its kernel and shape, a call takes ``default_config`` (whose tiles follow the rows per expert): an entry
-tuned at 65536 slots runs 128-row blocks, which pad an expert's 4 rows at 512 slots 32 times."""
-
-
 def tile_config(device: str, kernel: str, N: int, K: int, E: int, slots: int) -> TileConfig:
-    """The tuned config of the nearest row count (log scale) for this kernel and shape on ``device`` within
-    ``TUNED_REACH``, else ``default_config``."""
+    """The tuned config of the nearest row count (log scale) for this kernel and shape on ``device``, or
+    ``default_config``."""
     if (kernel, N, K, E) in OVERRIDES:
         return OVERRIDES[kernel, N, K, E]
     rows = slots / max(E, 1)
@@ -184,9 +178,7 @@ def tile_config(device: str, kernel: str, N: int, K: int, E: int, slots: int) ->
         d = abs(math.log2(max(entry["slots"], 1)) - math.log2(max(slots, 1)))
         if d < distance:
             best, distance = entry, d
-    if best is None or distance > TUNED_REACH:
-        return default_config(kernel, N, K, rows)
-    return TileConfig(**best["config"])
+    return TileConfig(**best["config"]) if best else default_config(kernel, N, K, rows)
 
 
 def decode_max_slots(device: str, problem: Problem) -> int:
