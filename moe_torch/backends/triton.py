@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from operator import itemgetter
 
 import torch
@@ -228,10 +228,13 @@ class _Bound:
             launch(grid, stream, arguments(values), constants)
         return outs, workspace
 
+    @cached_property
+    def _offset_of(self) -> dict[str, int]:
+        return {name: offset for (name, _, _), offset in zip(self.workspace, self.offsets)}
+
     def addresses(self, names: tuple[str, ...], workspace: int) -> list[int]:
         """The addresses of these workspace buffers in a workspace at ``workspace``."""
-        where = {name: offset for (name, _, _), offset in zip(self.workspace, self.offsets)}
-        return [workspace + where[name] for name in names]
+        return [workspace + self._offset_of[name] for name in names]
 
     def views(self, names: tuple[str, ...], workspace: torch.Tensor) -> list[torch.Tensor]:
         """These workspace buffers as tensors over ``workspace``."""
