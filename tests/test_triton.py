@@ -1007,6 +1007,21 @@ def test_tuned_tables_hold_tile_configs_the_planner_picks():
                                      entry["slots"]) == cfg
 
 
+def test_a_table_s_tuned_reach_bounds_the_slot_counts_an_entry_stands_for(monkeypatch):
+    """Without ``tuned_reach`` the nearest entry is taken at any distance; with it (log2), only within that reach,
+    else the documented default for that many rows per expert."""
+    tuned = plans.TileConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+    table = {"configs": [{"kernel": "dgrad_up", "N": 64, "K": 32, "E": 4, "slots": 4096, "config": vars(tuned)}]}
+    monkeypatch.setattr(plans, "_tuned", lambda device: table)
+    pick = partial(plans.tile_config, "a device", "dgrad_up", 64, 32, 4)
+    assert all(pick(slots) == tuned for slots in (64, 2048, 4096, 8192, 1 << 20))
+    table["tuned_reach"] = 1.0
+    assert all(pick(slots) == tuned for slots in (2048, 4096, 8192))
+    for slots in (64, 2047, 8193):
+        assert pick(slots) == plans.default_config("dgrad_up", 64, 32, slots / 4)
+    assert pick(64).BM == 16  # 16 rows per expert: 16-row blocks, not the entry's 128
+
+
 def test_merging_step_variants_keeps_the_fastest_per_step(tmp_path):
     """``device_triton_check.py --merge-steps``: the fastest measured variant of each step replaces the table's
     entry of that kernel, shape and slot count where it beats the step's own config by MERGE_MARGIN; failed

@@ -167,18 +167,22 @@ def clear_caches() -> None:
 
 def tile_config(device: str, kernel: str, N: int, K: int, E: int, slots: int) -> TileConfig:
     """The tuned config of the nearest row count (log scale) for this kernel and shape on ``device``, or
-    ``default_config``."""
+    ``default_config`` where there is none or, if the device's table sets ``tuned_reach`` (log2 of the slot counts
+    an entry stands for around its own; absent: any distance), none that near."""
     if (kernel, N, K, E) in OVERRIDES:
         return OVERRIDES[kernel, N, K, E]
     rows = slots / max(E, 1)
+    table = _tuned(device)
     best, distance = None, math.inf
-    for entry in _tuned(device).get("configs", ()):
+    for entry in table.get("configs", ()):
         if (entry["kernel"], entry["N"], entry["K"], entry["E"]) != (kernel, N, K, E):
             continue
         d = abs(math.log2(max(entry["slots"], 1)) - math.log2(max(slots, 1)))
         if d < distance:
             best, distance = entry, d
-    return TileConfig(**best["config"]) if best else default_config(kernel, N, K, rows)
+    if best is None or distance > table.get("tuned_reach", math.inf):
+        return default_config(kernel, N, K, rows)
+    return TileConfig(**best["config"])
 
 
 def decode_max_slots(device: str, problem: Problem) -> int:
