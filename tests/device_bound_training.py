@@ -31,15 +31,16 @@ POINTS = {"qwen3-30b-a3b": (1, 4, 16, 64, 1024, 4096), "mixtral-8x7b": (1, 64), 
 
 @contextmanager
 def binding(on: bool):
+    """Bound plans on, or off (every key then stays on the plan path, as before them)."""
     from moe_torch.backends import triton as backend
-    saved = backend._binding
+    saved = backend._bind
     backend._BOUND.clear()
     if not on:
-        backend._binding = lambda key, plan: None
+        backend._bind = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        backend._binding = saved
+        backend._bind = saved
         backend._BOUND.clear()
 
 

@@ -229,19 +229,18 @@ class _Bound:
         return outs, workspace
 
     @cached_property
-    def _offset_of(self) -> dict[str, int]:
-        return {name: offset for (name, _, _), offset in zip(self.workspace, self.offsets)}
+    def _buffers(self) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
+        """name -> (shape, dtype, byte offset) of each workspace buffer."""
+        return {name: (shape, dtype, offset) for (name, shape, dtype), offset in zip(self.workspace, self.offsets)}
 
     def addresses(self, names: tuple[str, ...], workspace: int) -> list[int]:
         """The addresses of these workspace buffers in a workspace at ``workspace``."""
-        return [workspace + self._offset_of[name] for name in names]
+        return [workspace + self._buffers[name][2] for name in names]
 
     def views(self, names: tuple[str, ...], workspace: torch.Tensor) -> list[torch.Tensor]:
         """These workspace buffers as tensors over ``workspace``."""
-        layout = {name: (shape, dtype, offset) for (name, shape, dtype), offset in zip(self.workspace, self.offsets)}
         views = []
-        for name in names:
-            shape, dtype, offset = layout[name]
+        for shape, dtype, offset in (self._buffers[name] for name in names):
             views.append(workspace[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
         return views
 
@@ -316,6 +315,28 @@ def _inputs(x, ids, w, gate_up, down, gate_up_bias, down_bias) -> dict[str, torc
     return env
 
 
+def _run_keyed(key: tuple | None, stream: int | None, device: torch.device, pointers: Callable[[], list[int]],
+               make: Callable[[], tuple], inputs: tuple[str, ...] | None = None,
+               outputs: Callable[[plans.Plan], tuple[str, ...]] | None = None) -> tuple:
+    """A call through its bound plan where ``key`` has one: (its outputs, its workspace, the bound plan, None), its
+    addresses from ``pointers()``. Otherwise ``make()`` gives (the plan, its env), run through ``run_plan`` and
+    bound for the key's next calls (where ``key`` is not None): (the outputs, None, None, the env). ``inputs``
+    and ``outputs`` (of the plan; default its output) are what ``_bind`` takes."""
+    bound = _BOUND.get(key) if key is not None else None
+    if bound is not None:
+        outs, workspace = bound.run(pointers(), device, stream)
+        return outs, workspace, bound, None
+    plan, env = make()
+    names = (plan.output,) if outputs is None else outputs(plan)
+    launched = [] if key is not None and key not in _BOUND and all(step.grid for step in plan.steps) else None
+    env = run_plan(plan, env, launched=launched)
+    if launched is not None:
+        if len(_BOUND) >= _MAX_BOUND:
+            _BOUND.clear()
+        _BOUND[key] = _bind(plan, launched, _DTYPE_ROLES | _dtypes(env), inputs, names)
+    return [env[n] for n in names], None, None, env
+
+
 def _inference(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, deterministic):
     """The inference forward. On CUDA, launching directly, a call of a key seen before runs its bound plan
     (``_Bound``); the first runs the plan through ``run_plan`` and binds what it launched."""
@@ -325,29 +346,13 @@ def _inference(x, ids, w, gate_up, down, gate_up_bias, down_bias, activation, de
     key = None
     if stream is not None and not torch.compiler.is_compiling():
         key = _call_key(tensors, activation, deterministic, current)
-        bound = _BOUND.get(key)
-        if bound is not None:
-            (out,), _ = bound.run(_pointers(tensors), x.device, stream)
-            return out if out.dtype == x.dtype else out.to(x.dtype)
-    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation, deterministic))
-    env = _inputs(*tensors)
-    launched = _binding(key, plan)
-    env = run_plan(plan, env, launched=launched)
-    if launched is not None:
-        _remember(key, _bind(plan, launched, _DTYPE_ROLES | _dtypes(env)))
-    return env[plan.output].to(x.dtype)
 
+    def make():
+        problem = problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation, deterministic)
+        return plans.forward_plan(problem), _inputs(*tensors)
 
-def _binding(key: tuple | None, plan: plans.Plan) -> list | None:
-    """The list ``run_plan`` fills with its launches where the call binds its plan (a key not bound yet, every
-    step launching), else None."""
-    return [] if key is not None and key not in _BOUND and all(step.grid for step in plan.steps) else None
-
-
-def _remember(key: tuple, bound: _Bound | None) -> None:
-    if len(_BOUND) >= _MAX_BOUND:
-        _BOUND.clear()
-    _BOUND[key] = bound
+    (out,), *_ = _run_keyed(key, stream, x.device, lambda: _pointers(tensors), make)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 @torch.library.custom_op("moe_torch::triton_experts", mutates_args=())
@@ -453,49 +458,40 @@ def _eager_training_forward(tensors: tuple, activation: str) -> tuple:
     the call's key or None). On CUDA, launching directly, a key seen before runs its bound plan, which keeps the
     residuals in its workspace (what the backward reads is then that workspace); the first runs the plan and
     binds it."""
-    x = tensors[0]
-    current, stream = _launch_place(x.device)
-    key = None
-    if stream is not None:
-        key = ("train", _call_key(tensors, activation, True, current))
-        bound = _BOUND.get(key)
-        if bound is not None:
-            (out,), workspace = bound.run(_pointers(tensors), x.device, stream)
-            return out, (workspace,), bound, key
     x, ids, w, gate_up, down, gate_up_bias, down_bias = tensors
-    plan = plans.forward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation), training=True)
-    launched = _binding(key, plan)
-    env = run_plan(plan, _inputs(*tensors), launched=launched)
-    if launched is not None:
-        _remember(key, _bind(plan, launched, _DTYPE_ROLES | _dtypes(env)))
-    return env[plan.output], tuple(env[n] for n in _RESIDUALS), None, key
+    current, stream = _launch_place(x.device)
+    key = None if stream is None else ("train", _call_key(tensors, activation, True, current))
+
+    def make():
+        problem = problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation)
+        return plans.forward_plan(problem, training=True), _inputs(*tensors)
+
+    (out,), workspace, bound, env = _run_keyed(key, stream, x.device, lambda: _pointers(tensors), make)
+    return out, (workspace,) if bound else tuple(env[n] for n in _RESIDUALS), bound, key
 
 
 def _eager_backward(tensors: tuple, kept: tuple, forward: _Bound | None, forward_key: tuple | None,
                     dout: torch.Tensor, activation: str) -> list[torch.Tensor]:
     """The gradients (in ``_GRADIENTS`` order, the biases' where present) from what ``_eager_training_forward``
-    gave; on CUDA a backward of a key seen before runs its bound plan, given the residuals' addresses."""
-    x = tensors[0]
+    gave; on CUDA a backward of a key seen before runs its bound plan, given the residuals' addresses (in the
+    forward's workspace, or the residual tensors')."""
+    x, ids, w, gate_up, down, gate_up_bias, down_bias = tensors
     dout = dout.contiguous()
     current, stream = _launch_place(x.device)
-    key = None
-    if stream is not None and forward_key is not None:
-        key = ("backward", forward_key, _layout(dout))
-        bound = _BOUND.get(key)
-        if bound is not None:
-            residuals = forward.addresses(_RESIDUALS, kept[0].data_ptr()) if forward else _pointers(kept)
-            grads, _ = bound.run(_pointers(tensors) + [dout.data_ptr()] + residuals, x.device, stream)
-            return grads
-    x, ids, w, gate_up, down, gate_up_bias, down_bias = tensors
-    plan = plans.backward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
-    residuals = forward.views(_RESIDUALS, kept[0]) if forward else kept
-    env = _inputs(*tensors) | dict(zip(_RESIDUALS, residuals)) | {"dout": dout}
-    launched = _binding(key, plan)
-    env = run_plan(plan, env, launched=launched)
-    names = tuple(n for n in _GRADIENTS if n in plan.buffers)
-    if launched is not None:
-        _remember(key, _bind(plan, launched, _DTYPE_ROLES | _dtypes(env), _BACKWARD_INPUTS, names))
-    return [env[n] for n in names]
+    key = None if stream is None or forward_key is None else ("backward", forward_key, _layout(dout))
+
+    def pointers():
+        residuals = forward.addresses(_RESIDUALS, kept[0].data_ptr()) if forward else _pointers(kept)
+        return _pointers(tensors) + [dout.data_ptr()] + residuals
+
+    def make():
+        plan = plans.backward_plan(problem_of(x, ids, gate_up, down, gate_up_bias, down_bias, activation))
+        residuals = forward.views(_RESIDUALS, kept[0]) if forward else kept
+        return plan, _inputs(*tensors) | dict(zip(_RESIDUALS, residuals)) | {"dout": dout}
+
+    grads, *_ = _run_keyed(key, stream, x.device, pointers, make, _BACKWARD_INPUTS,
+                           lambda plan: tuple(n for n in _GRADIENTS if n in plan.buffers))
+    return grads
 
 
 class _EagerTraining(torch.autograd.Function):
