@@ -1,0 +1,114 @@
+"""How long a single jitted JAX call takes to be seen finished, by how it is waited for (on the device; not
+collected by pytest):
+
+    python tests/device_jax_wait.py --out DIR
+
+A JAX call timed alone ends with ``block_until_ready``; earlier timelines found it returning 0.2-0.25 ms after the
+call's last kernel at calls near 1 ms, with no CUDA call in between, while torch's synchronize returned 0.03-0.04
+ms after. Each call here (the benchmark's JAX ``triton`` forward at several sizes, and XLA's own dot of about the
+same lengths) is timed alone, the GPU idle before it, waited for in turn by:
+
+- ``block_until_ready``: what a JAX user (and the benchmark) does;
+- ``is_ready`` spin: Python polling the output's readiness flag;
+- ``device sync``: ``torch.cuda.synchronize()`` (the primary context: XLA's streams too), then ``block_until_ready``
+  (so a call whose launches were not yet issued still waits for its result).
+
+Writes ``DIR/jax-wait.json``; prints a table (ms, medians of alternating rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 4096))
+DOTS = (1024, 4096, 8192, 12288)
+
+
+def waits():
+    import jax
+    import torch
+
+    def block(out):
+        jax.block_until_ready(out)
+
+    def spin(out):
+        leaves = jax.tree_util.tree_leaves(out)
+        while not all(leaf.is_ready() for leaf in leaves):
+            pass
+
+    def device_sync(out):
+        torch.cuda.synchronize()
+        jax.block_until_ready(out)
+
+    return {"block_until_ready": block, "is_ready spin": spin, "device sync": device_sync}
+
+
+def time_alone(call, wait_by, rounds=8, calls=10):
+    import torch
+    for wait in wait_by.values():
+        for _ in range(3):
+            wait(call())
+    times = {name: [] for name in wait_by}
+    for r in range(rounds):
+        order = list(wait_by.items())
+        for name, wait in (order if r % 2 == 0 else order[::-1]):
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                time.sleep(0.0005)
+                t0 = time.perf_counter()
+                wait(call())
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: round(statistics.median(v), 4) for name, v in times.items()}
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import moe_jax
+    from device_triton_check import _jax_point
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    wait_by = waits()
+    result = {"meta": {"jax": jax.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                       "command": "python tests/device_jax_wait.py --out DIR"},
+              "calls": {}}
+
+    def forward(x, idx, w, gate_up, down):
+        return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+
+    jitted = jax.jit(forward)
+    for shape, T in POINTS:
+        arrays = _jax_point(shape, T)[:5]
+        name = f"triton forward {shape} T={T}"
+        result["calls"][name] = time_alone(lambda: jitted(*arrays), wait_by)
+        print(name, result["calls"][name], flush=True)
+    dot = jax.jit(lambda a, b: a @ b)
+    key = jax.random.PRNGKey(0)
+    for n in DOTS:
+        a = jax.random.normal(key, (4096, 4096), jnp.bfloat16)
+        b = jax.random.normal(key, (4096, n), jnp.bfloat16)
+        name = f"XLA dot 4096x4096x{n}"
+        result["calls"][name] = time_alone(lambda: dot(a, b), wait_by)
+        print(name, result["calls"][name], flush=True)
+    one = jnp.ones((1,), jnp.float32)
+    add = jax.jit(lambda v: v + 1)
+    result["calls"]["one-element add"] = time_alone(lambda: add(one), wait_by)
+    print("one-element add", result["calls"]["one-element add"], flush=True)
+    (args.out / "jax-wait.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
