@@ -10,8 +10,13 @@ same lengths) is timed alone, the GPU idle before it, waited for in turn by:
 
 - ``block_until_ready``: what a JAX user (and the benchmark) does;
 - ``is_ready`` spin: Python polling the output's readiness flag;
-- ``device sync``: ``torch.cuda.synchronize()`` (the primary context: XLA's streams too), then ``block_until_ready``
-  (so a call whose launches were not yet issued still waits for its result).
+- ``device sync``: ``torch.cuda.synchronize()`` alone (the primary context, so XLA's streams too; under JAX's
+  synchronous dispatch the call's launches are issued before it returns): when the GPU work ended;
+- ``device sync, then block``: the same, then ``block_until_ready``.
+
+XLA marks a result ready from a CUDA host function queued behind the call (``cuLaunchHostFunc`` on a callback
+stream, handed on to a worker thread), and ``is_ready`` and ``block_until_ready`` both read that state, so the
+first two show the same chain and ``device sync`` shows the call without it.
 
 Writes ``DIR/jax-wait.json``; prints a table (ms, medians of alternating rounds).
 """
@@ -46,9 +51,13 @@ def waits():
 
     def device_sync(out):
         torch.cuda.synchronize()
+
+    def device_sync_then_block(out):
+        torch.cuda.synchronize()
         jax.block_until_ready(out)
 
-    return {"block_until_ready": block, "is_ready spin": spin, "device sync": device_sync}
+    return {"block_until_ready": block, "is_ready spin": spin, "device sync": device_sync,
+            "device sync, then block": device_sync_then_block}
 
 
 def time_alone(call, wait_by, rounds=8, calls=10):
@@ -74,26 +83,36 @@ def main():
     import jax.numpy as jnp
     import torch
     import moe_jax
-    from device_triton_check import _jax_point
+    import moe_torch
+    from device_triton_check import _jax_point, _point
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", default="jax-wait")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     wait_by = waits()
     result = {"meta": {"jax": jax.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
                        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                       "XLA_CUDA_HOST_CALLBACK_SPINWAIT": os.environ.get("XLA_CUDA_HOST_CALLBACK_SPINWAIT", ""),
                        "command": "python tests/device_jax_wait.py --out DIR"},
               "calls": {}}
 
     def forward(x, idx, w, gate_up, down):
         return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
 
+    def torch_forward(x, idx, w, gate_up, down):
+        with torch.no_grad():
+            return moe_torch.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
+
     jitted = jax.jit(forward)
     for shape, T in POINTS:
         arrays = _jax_point(shape, T)[:5]
         name = f"triton forward {shape} T={T}"
         result["calls"][name] = time_alone(lambda: jitted(*arrays), wait_by)
+        (gate_up, down), (x, idx, w, _) = _point(shape, T)
+        result["calls"][name]["torch, synchronize"] = time_alone(
+            lambda: torch_forward(x, idx, w, gate_up, down), {"sync": lambda out: torch.cuda.synchronize()})["sync"]
         print(name, result["calls"][name], flush=True)
     dot = jax.jit(lambda a, b: a @ b)
     key = jax.random.PRNGKey(0)
@@ -107,7 +126,7 @@ def main():
     add = jax.jit(lambda v: v + 1)
     result["calls"]["one-element add"] = time_alone(lambda: add(one), wait_by)
     print("one-element add", result["calls"]["one-element add"], flush=True)
-    (args.out / "jax-wait.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
