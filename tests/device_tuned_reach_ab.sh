@@ -17,7 +17,8 @@ import torch
 from moe_shared.kernels import plan as plans
 name = plans.device_file_name(torch.cuda.get_device_name())
 table = json.loads((plans.CONFIG_DIR / f"{name}.json").read_text())
-(Path(sys.argv[1]) / f"{name}.json").write_text(json.dumps(table | {"tuned_reach": float(sys.argv[2])}, indent=1) + "\n")
+reached = table | {"tuned_reach": float(sys.argv[2])}
+(Path(sys.argv[1]) / f"{name}.json").write_text(json.dumps(reached, indent=1) + "\n")
 device = torch.cuda.get_device_name()
 shapes = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2), "deepseek-v3": (7168, 2048, 256, 8)}
 for shape, (H, I, E, k) in shapes.items():
@@ -41,6 +42,9 @@ run_bench() {
 }
 names=""
 if [ "${NEAREST:-1}" = 1 ]; then run_bench nearest; names="nearest"; fi
-for reach in $REACHES; do MOE_EXPERTS_TRITON_CONFIGS="$OUT/reach$reach" run_bench "reach$reach"; names="$names reach$reach"; done
+for reach in $REACHES; do
+  MOE_EXPERTS_TRITON_CONFIGS="$OUT/reach$reach" run_bench "reach$reach"
+  names="$names reach$reach"
+done
 wc -l "$OUT"/changes*.txt
 for f in $names; do echo "== $f"; grep -E "triton" "$OUT/$f.log" | grep -v "%" | tail -n 24; done
