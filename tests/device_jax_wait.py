@@ -18,7 +18,7 @@ XLA marks a result ready from a CUDA host function queued behind the call (``cuL
 stream, handed on to a worker thread), and ``is_ready`` and ``block_until_ready`` both read that state, so the
 first two show the same chain and ``device sync`` shows the call without it.
 
-Writes ``DIR/jax-wait.json``; prints a table (ms, medians of alternating rounds).
+Writes ``DIR/<--name>.json`` (``jax-wait``) after each call; prints each call's medians (ms, alternating rounds).
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ def main():
                        "command": "python tests/device_jax_wait.py --out DIR"},
               "calls": {}}
 
+    def record(name, times):
+        result["calls"][name] = times
+        print(name, times, flush=True)
+        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+
     def forward(x, idx, w, gate_up, down):
         return moe_jax.experts_forward(x, idx, w, gate_up, down, implementation="triton", validate=False)
 
@@ -109,24 +114,20 @@ def main():
     for shape, T in POINTS:
         arrays = _jax_point(shape, T)[:5]
         name = f"triton forward {shape} T={T}"
-        result["calls"][name] = time_alone(lambda: jitted(*arrays), wait_by)
+        times = time_alone(lambda: jitted(*arrays), wait_by)
         (gate_up, down), (x, idx, w, _) = _point(shape, T)
-        result["calls"][name]["torch, synchronize"] = time_alone(
+        times["torch, synchronize"] = time_alone(
             lambda: torch_forward(x, idx, w, gate_up, down), {"sync": lambda out: torch.cuda.synchronize()})["sync"]
-        print(name, result["calls"][name], flush=True)
+        record(name, times)
     dot = jax.jit(lambda a, b: a @ b)
     key = jax.random.PRNGKey(0)
     for n in DOTS:
         a = jax.random.normal(key, (4096, 4096), jnp.bfloat16)
         b = jax.random.normal(key, (4096, n), jnp.bfloat16)
-        name = f"XLA dot 4096x4096x{n}"
-        result["calls"][name] = time_alone(lambda: dot(a, b), wait_by)
-        print(name, result["calls"][name], flush=True)
+        record(f"XLA dot 4096x4096x{n}", time_alone(lambda: dot(a, b), wait_by))
     one = jnp.ones((1,), jnp.float32)
     add = jax.jit(lambda v: v + 1)
-    result["calls"]["one-element add"] = time_alone(lambda: add(one), wait_by)
-    print("one-element add", result["calls"]["one-element add"], flush=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    record("one-element add", time_alone(lambda: add(one), wait_by))
 
 
 if __name__ == "__main__":
