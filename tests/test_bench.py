@@ -397,6 +397,26 @@ def test_floor_is_the_slower_of_compute_and_memory():
         roofline.floor_ms(1, 1, 0.0, 1.0)
 
 
+
+def test_peak_runs_stop_once_they_pass_the_time_budget(monkeypatch):
+    """A peak is the best of ``reps`` timed runs after a warm-up, fewer once the timed runs pass
+    ``_PEAK_BUDGET_S`` (a host without bf16 matmul units takes seconds per run), never fewer than one."""
+    import time
+
+    import torch
+
+    calls = []
+    monkeypatch.setattr(roofline, "_PEAK_BUDGET_S", 0.05)
+    assert roofline._best_seconds(lambda: calls.append(1), torch.device("cpu"), 10) >= 0
+    assert len(calls) == 11
+    calls.clear()
+    best = roofline._best_seconds(lambda: (calls.append(1), time.sleep(0.03)), torch.device("cpu"), 10)
+    assert len(calls) == 3 and best >= 0.03
+    calls.clear()
+    monkeypatch.setattr(roofline, "_PEAK_BUDGET_S", 0.0)
+    roofline._best_seconds(lambda: (calls.append(1), time.sleep(0.01)), torch.device("cpu"), 10)
+    assert len(calls) == 2
+
 def test_budget_skips_batched_mm_that_duplicates_weights():
     peaks = roofline.Peaks(tflops=1000.0, tbs=5.0)
     shape = budget.Shape(CONFIGS["deepseek-v3"], 16384, "fwd", 2)
