@@ -198,9 +198,19 @@ def run(opts: Options, checkpoint: Callable[[Results], None] | None = None) -> R
                 weights = inputs.make_weights(cfg, dtype, opts.device, opts.seed)
                 for tokens in sorted({p.tokens for p in mine}):
                     here = [p for p in mine if p.tokens == tokens]
-                    sets = inputs.make_sets(cfg, tokens, dtype, opts.device, opts.seed, opts.n_sets)
-                    if (cfg.name, tokens) not in references:
-                        references[cfg.name, tokens] = inputs.reference(weights, sets[0])
+                    try:
+                        sets = inputs.make_sets(cfg, tokens, dtype, opts.device, opts.seed, opts.n_sets)
+                        if (cfg.name, tokens) not in references:
+                            references[cfg.name, tokens] = inputs.reference(weights, sets[0])
+                    except (torch.OutOfMemoryError, MemoryError) as err:
+                        if opts.fail_fast:
+                            raise
+                        results.skipped.extend(_out_of_memory_skip(p, err, runners[p.framework],
+                                                                   " making the inputs") for p in here)
+                        bar.update(len(here))
+                        if checkpoint is not None:
+                            checkpoint(results)
+                        continue
                     hits = statistics.fmean(s.hit_experts for s in sets)
                     loaded = []
                     for fw in group:
@@ -267,23 +277,26 @@ def _fail(points: Sequence[Point], err: Exception, doing: str, results: Results,
     bar.write(traceback.format_exc(limit=-4))
 
 
+def _out_of_memory_skip(p: Point, err: BaseException, runner: Runner, doing: str = "") -> dict:
+    lines = str(err).splitlines() or [type(err).__name__]
+    detail = next((line for line in lines if "memory" in line.lower()), lines[0]).strip()
+    return (_where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.variant)
+            | {"reason": f"out of memory{doing}: {detail[:200]}", "memory": runner.memory_detail()})
+
+
 def _series_key(p: Point) -> tuple:
     return (p.framework, p.cfg.name, p.backend, p.variant, p.mode)
 
 
 def _measure_point(p: Point, runner: Runner, opts: Options, results: Results, bar) -> Measurement | None:
     """One measurement of a point; None if it failed (recorded in ``results``)."""
-    where = _where(p.framework, p.backend, p.cfg, p.tokens, p.mode, p.variant)
     try:
         return runner.measure(p.backend, p.mode, p.variant, opts.n_sets, opts.timing)
     except Exception as err:  # noqa: BLE001  (reported per point; --fail-fast re-raises)
         if opts.fail_fast:
             raise
         if runner.is_out_of_memory(err):
-            lines = str(err).splitlines() or [type(err).__name__]
-            detail = next((line for line in lines if "memory" in line.lower()), lines[0]).strip()
-            results.skipped.append(where | {"reason": f"out of memory: {detail[:200]}",
-                                            "memory": runner.memory_detail()})
+            results.skipped.append(_out_of_memory_skip(p, err, runner))
             return None
         _fail([p], err, "measuring", results, bar)
         return None

@@ -14,6 +14,7 @@ import importlib.util
 import types
 
 import numpy as np
+import torch
 
 from bench import budget, crossover, environment, peers, report, roofline, runners
 from bench.__main__ import main
@@ -216,6 +217,33 @@ def test_resume_keeps_earlier_skips_and_does_not_try_them_again(smoke, tmp_path)
     assert new == [("torch", "grouped_mm", "tiny", 16, "fwd+bwd", None)]
     (kept,) = [s for s in written["meta"]["skipped"] if s["tokens"] == 16]
     assert kept["reason"] == oom["reason"] and kept["skipped_in"]["file"] == "earlier.json"
+
+
+def test_inputs_out_of_memory_skip_that_token_count_and_the_run_goes_on(tmp_path, monkeypatch):
+    """deepseek-v3's JAX points at T=16384 once ended the whole run: torch could not make the inputs beside the
+    memory XLA kept. Such a token count is now skipped, each point with the reason, and the next one runs."""
+    from bench import inputs
+
+    made = inputs.make_sets
+
+    def short_of_memory(cfg, tokens, *args, **kwargs):
+        if tokens == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB (injected)")
+        return made(cfg, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(inputs, "make_sets", short_of_memory)
+    out = tmp_path / "out"
+    argv = ["--config", "tiny", "--tokens", "1,8,16", "--device", "cpu", "--frameworks", "torch", "--backends",
+            "grouped_mm", "--out", str(out), "--min-reps", "1", "--max-reps", "2", "--min-time", "0", "--sets", "2",
+            "--stream-rounds", "1", "--no-plot"]
+    assert main(argv) == 0
+    (folder,) = out.iterdir()
+    written = json.loads(_one(folder, ".json").read_text())
+    assert sorted(r["tokens"] for r in written["records"]) == [1, 1, 16, 16]
+    skipped = written["meta"]["skipped"]
+    assert sorted((s["tokens"], s["mode"]) for s in skipped) == [(8, "fwd"), (8, "fwd+bwd")]
+    assert all(s["reason"].startswith("out of memory making the inputs: CUDA out of memory") for s in skipped)
+    assert written["meta"]["complete"] is True and not written["meta"]["errors"]
 
 
 def test_a_stopped_run_leaves_the_resumed_points_written(smoke, tmp_path, monkeypatch):
