@@ -184,13 +184,18 @@ def test_smoke_csv_matches_json(smoke):
     assert [float(r["ms"]) for r in rows] == pytest.approx([r["ms"] for r in records])
 
 
-def _resume_run(out: Path, resume: str, tokens: str) -> Path:
+def _short_run(out: Path, tokens: str, *more: str) -> Path:
+    """The JSON of a short CPU run of torch grouped_mm on the tiny config."""
     argv = ["--config", "tiny", "--tokens", tokens, "--device", "cpu", "--frameworks", "torch", "--backends",
             "grouped_mm", "--out", str(out), "--min-reps", "1", "--max-reps", "2", "--min-time", "0", "--sets", "2",
-            "--stream-rounds", "1", "--no-plot", "--resume", resume]
+            "--stream-rounds", "1", "--no-plot", *more]
     assert main(argv) == 0
     (folder,) = out.iterdir()
     return _one(folder, ".json")
+
+
+def _resume_run(out: Path, resume: str, tokens: str) -> Path:
+    return _short_run(out, tokens, "--resume", resume)
 
 
 def test_resume_keeps_earlier_records_and_runs_only_new_points(smoke, tmp_path):
@@ -232,13 +237,7 @@ def test_inputs_out_of_memory_skip_that_token_count_and_the_run_goes_on(tmp_path
         return made(cfg, tokens, *args, **kwargs)
 
     monkeypatch.setattr(inputs, "make_sets", short_of_memory)
-    out = tmp_path / "out"
-    argv = ["--config", "tiny", "--tokens", "1,8,16", "--device", "cpu", "--frameworks", "torch", "--backends",
-            "grouped_mm", "--out", str(out), "--min-reps", "1", "--max-reps", "2", "--min-time", "0", "--sets", "2",
-            "--stream-rounds", "1", "--no-plot"]
-    assert main(argv) == 0
-    (folder,) = out.iterdir()
-    written = json.loads(_one(folder, ".json").read_text())
+    written = json.loads(_short_run(tmp_path / "out", "1,8,16").read_text())
     assert sorted(r["tokens"] for r in written["records"]) == [1, 1, 16, 16]
     skipped = written["meta"]["skipped"]
     assert sorted((s["tokens"], s["mode"]) for s in skipped) == [(8, "fwd"), (8, "fwd+bwd")]
