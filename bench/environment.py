@@ -74,11 +74,12 @@ KERNEL_PACKAGES = ("jax-triton", "sonic-moe", "quack-kernels", "nvidia-cutlass-d
                    "torch-c-dlpack-ext", "sgl-deep-gemm", "kernels", "transformers", "tokamax")
 
 
-# the environment variables, set before the process started, that change what a CPU point measures: glibc's
-# allocator (memory kept between steps or handed back, README "CPU"; moe_jax's setting of it), the kernel library's
-# huge pages, the thread counts
+# the environment variables, set before the process started, that change what a point measures: glibc's allocator
+# (memory kept between steps or handed back, README "CPU"; moe_jax's setting of it), the kernel library's huge pages,
+# the thread counts, XLA's flags and which GPU client runs JAX's calls and how it waits for them
 TIMING_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES",
-                    "LD_PRELOAD", "MOE_JAX_MALLOC", "MOE_EXPERTS_HUGE_PAGES", "OMP_NUM_THREADS", "XLA_FLAGS")
+                    "LD_PRELOAD", "MOE_JAX_MALLOC", "MOE_EXPERTS_HUGE_PAGES", "OMP_NUM_THREADS", "XLA_FLAGS",
+                    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "XLA_CUDA_HOST_CALLBACK_SPINWAIT")
 
 
 def timing_environment() -> dict[str, str]:

@@ -35,6 +35,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 POINTS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 4096), ("mixtral-8x7b", 4096))
 DOTS = (1024, 4096, 8192, 12288)
+# how the JAX GPU client waits for and runs a call: the host function's spin-wait (CUDA >= 13.2) and the TFRT GPU
+# client in place of the stream-executor one (read by jax's CUDA plugin when the client is made)
+CLIENT_VARIABLES = ("XLA_CUDA_HOST_CALLBACK_SPINWAIT", "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT")
+
+
+def _runtime() -> dict:
+    """The GPU client that runs the calls, as jax reports it."""
+    import jax
+    backend = jax.devices()[0].client
+    return {name: str(getattr(backend, name, None)) for name in ("runtime_type", "platform_version")} | {
+        "client_class": type(backend).__name__}
 
 
 def waits():
@@ -94,7 +105,8 @@ def main():
     wait_by = waits()
     result = {"meta": {"jax": jax.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
                        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                       "XLA_CUDA_HOST_CALLBACK_SPINWAIT": os.environ.get("XLA_CUDA_HOST_CALLBACK_SPINWAIT", ""),
+                       **{name: os.environ.get(name, "") for name in CLIENT_VARIABLES},
+                       "runtime": _runtime(),
                        "command": "python tests/device_jax_wait.py --out DIR"},
               "calls": {}}
 
