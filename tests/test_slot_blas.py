@@ -334,6 +334,43 @@ def test_compiled_batched_mm_leaves_a_few_slots_to_the_compiler(fake, monkeypatc
         assert_close(f"grad_{name}", leaves[name].grad.float(), want, "bfloat16")
 
 
+@pytest.mark.parametrize("ordered_from, sorts", [(1, 2), (None, 0)])
+def test_compiled_batched_mm_takes_the_slots_in_expert_order(monkeypatch, ordered_from, sorts):
+    """Compiled on the CPU, from one slot per expert (here 32 slots over 8 experts) both projections' GEMVs take the
+    slots in expert order and write their rows back to slot order (an index_put each in the traced graph; none where
+    the setting leaves the device out). Each slot's product is the same, so the inference forward gives the same
+    bits either way; training's forward and gradients (whose graphs inductor fuses differently around the row
+    writes, rounding intermediates at other places) within the tolerance table of the reference."""
+    from moe_shared import reference
+    from support import random_case
+
+    arrays, dy = random_case(29, T=8, H=32, I=16, E=8, k=4, bias=False)
+    leaves = {n: torch.from_numpy(a) if n == "top_k_index" else torch.from_numpy(a).bfloat16().requires_grad_()
+              for n, a in arrays.items()}
+    results = {}
+    for setting in (ordered_from, 1 if ordered_from is None else None):
+        monkeypatch.setattr(batched_mm, "COMPILED_ORDERED_FROM_SLOTS_PER_EXPERT",
+                            {} if setting is None else {"cpu": setting})
+        for t in leaves.values():
+            t.grad = None
+        with torch.no_grad():
+            fn, traced = _compiled_batched_mm()
+            out = fn(**{n: t.detach() if t.requires_grad else t for n, t in leaves.items()})
+        if setting == ordered_from:
+            assert traced[0].count("aten.index_put") + traced[0].count("index_put_") == sorts
+        train, _ = _compiled_batched_mm()
+        train(**leaves).backward(torch.from_numpy(dy).bfloat16())
+        results[setting] = out, {n: t.grad.clone() for n, t in leaves.items() if t.requires_grad}
+    (out, _), (other_out, _) = results.values()
+    assert torch.equal(out, other_out)
+    want_out = reference.experts_forward(**arrays)
+    want_grads = reference.experts_backward(**arrays, grad_output=dy)
+    for out, grads in results.values():
+        assert_close("out", out.float().numpy(), want_out, "bfloat16")
+        for name, want in want_grads.items():
+            assert_close(f"grad_{name}", grads[name].float(), want, "bfloat16")
+
+
 def test_slot_products_op_gathers_where_addresses_do_not_suit_cublas(fake):
     """The op the compiled graph calls checks the addresses it is given: x two bytes off 16 takes the gathered
     products (the same values, no cuBLAS call); aligned, cuBLAS, on a pointer array it does not keep."""

@@ -7,7 +7,8 @@ COMPILED_FUSED_SLOTS slots the gathered weights' batched matmul, which inductor 
 uncompiled, nothing is gathered either: each slot takes one matmul on its expert's weights in place (IN_PLACE_DEVICES;
 in bfloat16 every slot's in one call of the CPU row kernel, ``moe_torch.expert_rows``). Compiled on the CPU, the
 gathered weights' torch.bmm, which inductor fuses with the gather into one GEMV per slot reading its expert's weights
-in place (no gathered buffer; transformers' batched_mm compiles to the same kernel); elsewhere the weights are
+in place (no gathered buffer; transformers' batched_mm compiles to the same kernel), from one slot per expert on
+over the slots in expert order (COMPILED_ORDERED_FROM_SLOTS_PER_EXPERT); elsewhere the weights are
 gathered (T*k copies of an expert's) and run through torch.bmm. Training keeps no gathered weights: the backward
 sums each expert's weight gradient as one matmul over its slots sorted by expert (float32 accumulation, no [T*k, N, K]
 gradient; on CUDA one K-grouped ``F.grouped_mm``), and takes the input gradient on CUDA as one grouped matmul over those
@@ -39,6 +40,14 @@ SORTED_INPUT_GRAD = ("cuda",)  # devices whose backward takes the input gradient
 # the fused form 1.01 in both; at T=64 slot_blas 0.47 with graphs and 0.53 without, the fused form 1.01 (the
 # gathered weights of 512 slots: transformers' own form, 1.6 ms)
 COMPILED_FUSED_SLOTS = {"cuda": 64}
+# compiled on these devices, from this many slots per expert, the gathered weights' GEMVs take the slots in expert
+# order and their outputs go back to slot order (each slot's product unchanged): the slots of one expert then read
+# its weights from the cache one after the other. qwen3-cpu's inference forward on a 2-core EPYC, compiled, six
+# alternating rounds (tests/cpu_compiled_slot_order.py, bench/results/cpu-2core/2026-12-08-compiled-slot-order-ab-*):
+# 9.18 against 9.67 ms at T=8 (64 slots), 15.9 against 17.3 at T=16, 61.8 against 72.4 at T=64, the same bits; the
+# gate/up GEMVs alone at 32 slots (half a slot per expert) 2.98-3.16 against 2.78-2.88 ms (the sort costs more than
+# the few repeated experts save)
+COMPILED_ORDERED_FROM_SLOTS_PER_EXPERT = {"cpu": 1}
 
 
 def _in_place(table: torch.Tensor) -> bool:
@@ -52,10 +61,19 @@ def _on_slot_blas(x: torch.Tensor, table: torch.Tensor, slots: int) -> bool:
     return slot_blas.applies(x, table)
 
 
+def _compiled_ordered(x: torch.Tensor, table: torch.Tensor, slots: int) -> bool:
+    """Whether, compiled, ``slots`` products on ``table`` take the gathered weights' GEMVs in expert order (see
+    COMPILED_ORDERED_FROM_SLOTS_PER_EXPERT)."""
+    per_expert = COMPILED_ORDERED_FROM_SLOTS_PER_EXPERT.get(x.device.type)
+    return (per_expert is not None and torch.compiler.is_compiling() and slots > 1
+            and slots >= per_expert * table.shape[0] and not _on_slot_blas(x, table, slots))
+
+
 def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transpose: bool = False,
                    order: torch.Tensor | None = None):
     """out[s] = table[ids[s]] @ x[s] ([E, N, K], [S, K] -> [S, N]); ``transpose``: table[ids[s]].T @ x[s].
-    ``order``: the slots in expert order where slot_blas runs its batch entries so (``_entry_order``)."""
+    ``order``: the slots in expert order where slot_blas runs its batch entries so, or where the compiled GEMVs
+    take them so (``_entry_order``)."""
     if _in_place(table):
         if not transpose and expert_rows.applies(x, table):
             return _rows_on_kernel(x, table, ids, slots_per_row=1)
@@ -68,6 +86,13 @@ def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, tran
         return slot_blas.products(x, matrices, ids, order=order)
     # one gather and one bmm: the fewest ops per call (decode is host-bound); compiled, inductor makes the two one
     # GEMV per slot reading its expert's weights in place (no gathered buffer), as it does transformers' batched_mm
+    if order is not None:
+        return unsort_rows(_gathered_products(x.index_select(0, order), table, ids.index_select(0, order),
+                                              transpose), order)
+    return _gathered_products(x, table, ids, transpose)
+
+
+def _gathered_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transpose: bool) -> torch.Tensor:
     return (torch.bmm(x.unsqueeze(1), table[ids]).squeeze(1) if transpose
             else torch.bmm(table[ids], x.unsqueeze(2)).squeeze(2))
 
@@ -122,7 +147,10 @@ def _table_grad(operands) -> torch.Tensor | None:
 def _entry_order(ids: torch.Tensor, x: torch.Tensor, table: torch.Tensor,
                  known: torch.Tensor | None = None) -> torch.Tensor | None:
     """The slots in expert order for slot_blas's batch entries where its products run and order them
-    (``slot_blas.ordered``), else None; ``known``: a stable sort's order of ``ids`` made already."""
+    (``slot_blas.ordered``), or for the compiled GEMVs where they take them so (``_compiled_ordered``), else None;
+    ``known``: a stable sort's order of ``ids`` made already."""
+    if _compiled_ordered(x, table, ids.shape[0]):
+        return known if known is not None else sort_keys(ids, inverse=False)[1]
     if not _on_slot_blas(x, table, ids.shape[0]):
         return None
     if known is None:
