@@ -43,9 +43,8 @@ CLIENT_VARIABLES = ("XLA_CUDA_HOST_CALLBACK_SPINWAIT", "XLA_PYTHON_CLIENT_USE_TF
 def _runtime() -> dict:
     """The GPU client that runs the calls, as jax reports it."""
     import jax
-    backend = jax.devices()[0].client
-    return {name: str(getattr(backend, name, None)) for name in ("runtime_type", "platform_version")} | {
-        "client_class": type(backend).__name__}
+    client = jax.devices()[0].client
+    return {name: str(getattr(client, name, None)) for name in ("runtime_type", "platform_version")}
 
 
 def waits():

@@ -66,7 +66,7 @@ def _compiled_ordered(x: torch.Tensor, table: torch.Tensor, slots: int) -> bool:
     COMPILED_ORDERED_FROM_SLOTS_PER_EXPERT)."""
     per_expert = COMPILED_ORDERED_FROM_SLOTS_PER_EXPERT.get(x.device.type)
     return (per_expert is not None and torch.compiler.is_compiling() and slots > 1
-            and slots >= per_expert * table.shape[0] and not _on_slot_blas(x, table, slots))
+            and slots >= per_expert * table.shape[0])
 
 
 def _slot_products(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transpose: bool = False,
